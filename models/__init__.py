@@ -1,0 +1,1 @@
+"""Flax NNX models annotated with logical axis names only (see models/axes.py)."""

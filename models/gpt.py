@@ -1,0 +1,178 @@
+"""A decoder-only transformer in Flax NNX, annotated with logical axis names only.
+
+Token embedding -> L x [RMSNorm -> grouped-query attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP ->
+residual] -> RMSNorm -> output projection (optionally tied to the embedding). The L blocks are one module
+whose parameters carry a leading `layers` dimension and are applied with `lax.scan`, so compile time does not
+grow with depth. Every parameter has `logical_axes` metadata and every major activation is passed through
+`shardkit.constrain`; a strategy decides what those names mean on a mesh. Attention goes through
+`shardkit.attention.attend`, so a strategy can swap the kernel without touching this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import shardkit as sk
+from models.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 384  # byte-level 257 tokens padded to a multiple of 128
+    num_layers: int = 4
+    d_model: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2  # grouped-query attention: num_heads % num_kv_heads == 0
+    head_dim: int = 32
+    mlp_dim: int = 512
+    max_seq_len: int = 256
+    rope_theta: float = 10_000.0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision)
+    param_dtype: str = "float32"
+    remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs, recompute the rest)
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise sk.ShardkitError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise sk.ShardkitError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.remat not in ("none", "full", "dots"):
+            raise sk.ShardkitError(f"remat={self.remat!r}: choose 'none', 'full' or 'dots'")
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count; without the embedding table it is the N of FLOPs = 6N per token."""
+        e, h = self.d_model, self.head_dim
+        attn = e * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        block = attn + 3 * e * self.mlp_dim + 2 * e
+        head = 0 if self.tie_embeddings else e * self.vocab_size
+        emb = e * self.vocab_size if include_embedding else 0
+        return self.num_layers * block + e + head + emb
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N (N without the embedding lookup; the tied or untied output projection is
+        a matmul and counts) + 12 L d s for attention scores and values, fwd + bwd, causal mask NOT halved
+        (PaLM appendix B convention; our dense kernel computes the masked half too)."""
+        n = self.num_params(include_embedding=False) + (self.d_model * self.vocab_size if self.tie_embeddings else 0)
+        return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+
+def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.dtype(cfg.param_dtype))
+    return nnx.Param(value, logical_axes=axes)
+
+
+def _ones(shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig) -> nnx.Param:
+    return nnx.Param(jnp.ones(tuple(shape), jnp.dtype(cfg.param_dtype)), logical_axes=axes)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of x [b, s, heads, d] at integer positions [b, s] (Su et al. 2104.09864)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None, None] * freq  # [b, s, 1, d/2]
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer block: GQA attention with RoPE, then a SwiGLU MLP."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        e, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2 residual scaling
+        self.cfg = cfg
+        self.attn_norm = _ones((e,), (EMBED,), cfg)
+        self.wq = _param(rngs, (e, n, h), (EMBED, HEADS, HEAD_DIM), cfg, std)
+        self.wk = _param(rngs, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM), cfg, std)
+        self.wv = _param(rngs, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM), cfg, std)
+        self.wo = _param(rngs, (n, h, e), (HEADS, HEAD_DIM, EMBED), cfg, out_std)
+        self.mlp_norm = _ones((e,), (EMBED,), cfg)
+        self.w_gate = _param(rngs, (e, f), (EMBED, MLP), cfg, std)
+        self.w_up = _param(rngs, (e, f), (EMBED, MLP), cfg, std)
+        self.w_down = _param(rngs, (f, e), (MLP, EMBED), cfg, out_std)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        # x: [batch, res_seq, embed]
+        h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
+        q = sk.constrain(jnp.einsum("bse,enh->bsnh", h, self.wq[...].astype(dt)), (BATCH, SEQ, HEADS, HEAD_DIM))
+        k = sk.constrain(jnp.einsum("bse,ekh->bskh", h, self.wk[...].astype(dt)), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
+        v = sk.constrain(jnp.einsum("bse,ekh->bskh", h, self.wv[...].astype(dt)), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        o = sk.attention.attend(q, k, v, causal=True, segment_ids=segment_ids)
+        o = sk.constrain(o, (BATCH, SEQ, HEADS, HEAD_DIM))
+        x = x + sk.constrain(jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dt)), (BATCH, RES_SEQ, EMBED))
+
+        h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
+        g = sk.constrain(jnp.einsum("bse,ef->bsf", h, self.w_gate[...].astype(dt)), (BATCH, SEQ, MLP))
+        u = sk.constrain(jnp.einsum("bse,ef->bsf", h, self.w_up[...].astype(dt)), (BATCH, SEQ, MLP))
+        y = jnp.einsum("bsf,fe->bse", jax.nn.silu(g) * u, self.w_down[...].astype(dt))
+        return x + sk.constrain(y, (BATCH, RES_SEQ, EMBED))
+
+
+def _stack_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
+    """L blocks as one Block whose parameters have a leading `layers` dimension (created under vmap)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))))
+    keys = jax.random.split(rngs.params(), cfg.num_layers)
+    states = jax.vmap(lambda key: nnx.split(Block(cfg, nnx.Rngs(params=key)))[1])(keys)
+    blocks = nnx.merge(graphdef, states)
+    for _, var in nnx.iter_graph(blocks):
+        if isinstance(var, nnx.Variable) and "logical_axes" in var.get_metadata():
+            var.set_metadata("logical_axes", (LAYERS, *var.get_metadata()["logical_axes"]))
+    return blocks
+
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class GPT(nnx.Module):
+    """GPT(config, rngs=nnx.Rngs(0))(tokens int32[batch, seq]) -> logits float32[batch, seq, vocab]."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED), cfg, cfg.init_std)
+        self.blocks = _stack_blocks(cfg, rngs)
+        self.final_norm = _ones((cfg.d_model,), (EMBED,), cfg)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), cfg, cfg.init_std)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        table = sk.constrain(self.embed[...], (VOCAB, EMBED))
+        x = sk.constrain(jnp.take(table, tokens, axis=0).astype(dt), (BATCH, RES_SEQ, EMBED))
+
+        graphdef, layer_state = nnx.split(self.blocks)
+
+        def body(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
+            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT[cfg.remat])
+        x, _ = jax.lax.scan(body, x, layer_state)
+
+        x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+        w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+        logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=jnp.float32)
+        return sk.constrain(logits, (BATCH, SEQ, VOCAB))

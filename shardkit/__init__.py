@@ -1,0 +1,33 @@
+"""shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
+
+from shardkit import attention
+from shardkit.errors import ShardkitError
+from shardkit.init import abstract_model, param_logical_axes, param_shardings, sharded_init
+from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh
+from shardkit.rules import constrain, logical_to_spec, use_rules
+from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
+from shardkit.train import TrainState, TrainStep, make_train_step
+
+__all__ = [
+    "STRATEGIES",
+    "BoundStrategy",
+    "HardwarePreset",
+    "ShardkitError",
+    "Strategy",
+    "TrainState",
+    "TrainStep",
+    "abstract_model",
+    "attention",
+    "available_presets",
+    "constrain",
+    "load_preset",
+    "logical_to_spec",
+    "make_mesh",
+    "make_train_step",
+    "param_logical_axes",
+    "param_shardings",
+    "register_strategy",
+    "sharded_init",
+    "strategy",
+    "use_rules",
+]

@@ -1,0 +1,144 @@
+"""Logical axis names -> mesh axes: rules tables, spec resolution with checks, and activation constraints.
+
+A rules table maps every logical name a model uses (`batch`, `embed`, `heads`, ...) to a tuple of mesh axes
+or to None (replicated). Unlike Flax's rules, a name missing from the table is an error, not a pass-through,
+and every resolved spec is checked for divisibility, so a bad plan fails here with the parameter's path.
+
+Models call `constrain(x, ("batch", "seq", "embed"))`; inside `use_rules(mesh, rules)` (set by the train step
+while tracing) that becomes `with_sharding_constraint` with the resolved spec, and outside it is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardkit.errors import ShardkitError
+
+MeshAxes = tuple[str, ...] | None
+Rules = Mapping[str, MeshAxes]
+
+
+def normalize_rules(rules: Mapping[str, str | Sequence[str] | None]) -> dict[str, MeshAxes]:
+    """{'batch': 'data', 'embed': ('fsdp',), 'vocab': None} -> every value a tuple of mesh axes or None."""
+    out: dict[str, MeshAxes] = {}
+    for name, axes in rules.items():
+        if axes is None or axes == ():
+            out[name] = None
+        elif isinstance(axes, str):
+            out[name] = (axes,)
+        else:
+            out[name] = tuple(axes)
+    return out
+
+
+def restrict_to_mesh(rules: Rules, mesh: Mesh, required: Sequence[str] = ()) -> dict[str, MeshAxes]:
+    """Drops mesh axes the mesh lacks (allowed only for axes not in `required`)."""
+    missing = [a for a in required if a not in mesh.shape]
+    if missing:
+        raise ShardkitError(
+            f"this strategy needs mesh axes {missing} but the mesh has {dict(mesh.shape)}; "
+            f"add them to the mesh (e.g. '{missing[0]}=2'), or choose a strategy for this mesh"
+        )
+    out: dict[str, MeshAxes] = {}
+    for name, axes in rules.items():
+        kept = tuple(a for a in (axes or ()) if a in mesh.shape)
+        out[name] = kept or None
+    return out
+
+
+def logical_to_spec(
+    names: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None, what: str = "array"
+) -> PartitionSpec:
+    """('batch', 'seq', 'embed') -> PartitionSpec(('data', 'fsdp'), None, None), checked against the mesh.
+
+    Raises ShardkitError naming `what` (e.g. the parameter path) for an unmapped logical name, a mesh axis the
+    mesh lacks, a mesh axis used twice, or a dimension of `shape` not divisible by its mesh axes.
+    """
+    spec: list[Any] = []
+    used: dict[str, str | None] = {}
+    for dim, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise ShardkitError(
+                f"{what}: logical axis {name!r} has no rule in this strategy (known: {', '.join(sorted(rules))}); "
+                f"add a rule {name!r}: None to replicate it or {name!r}: '<mesh axis>' to shard it"
+            )
+        axes = rules[name] or ()
+        for axis in axes:
+            if axis not in mesh.shape:
+                raise ShardkitError(
+                    f"{what}: logical axis {name!r} maps to mesh axis {axis!r}, which the mesh "
+                    f"{dict(mesh.shape)} lacks; add {axis!r} to the mesh or change the rule"
+                )
+            if axis in used:
+                raise ShardkitError(
+                    f"{what} {tuple(names)}: mesh axis {axis!r} would shard both {used[axis]!r} and {name!r}; "
+                    "one mesh axis can shard only one dimension of an array — change one of the two rules"
+                )
+            used[axis] = name
+        degree = math.prod(mesh.shape[a] for a in axes)
+        if shape is not None and shape[dim] % degree:
+            raise ShardkitError(
+                f"{what} of shape {tuple(shape)}: dimension {dim} ({name!r} = {shape[dim]}) is not divisible by "
+                f"mesh axes {axes} of size {degree}; choose sizes divisible by {degree}, a smaller "
+                f"{'x'.join(axes)} degree, or a rule {name!r}: None to replicate it"
+            )
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def named_sharding(
+    names: Sequence[str | None], rules: Rules, mesh: Mesh, shape: Sequence[int] | None = None, what: str = "array"
+) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, rules, mesh, shape, what))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingContext:
+    """What `constrain` and `shardkit.attention` consult while a step is traced."""
+
+    mesh: Mesh
+    rules: dict[str, MeshAxes]
+    attention: str = "dense"
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+_CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar("shardkit_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: Rules, attention: str = "dense", **options: Any) -> Iterator[ShardingContext]:
+    """Activates compute rules (and kernel choices) for `constrain` / `shardkit.attention` in this block."""
+    ctx = ShardingContext(mesh, dict(rules), attention, tuple(sorted(options.items())))
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current_context() -> ShardingContext | None:
+    return _CONTEXT.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pins activation `x` to the layout its logical names resolve to under the active compute rules."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return x
+    if len(names) != x.ndim:
+        raise ShardkitError(f"constrain: {len(names)} logical names {tuple(names)} for an array of shape {x.shape}")
+    sharding = named_sharding(names, ctx.rules, ctx.mesh, x.shape, what=f"activation {tuple(names)}")
+    return jax.lax.with_sharding_constraint(x, sharding)

@@ -1,0 +1,182 @@
+"""Named parallelism strategies as data: parameter rules, optimizer-state rules, compute rules, kernels.
+
+A strategy never edits the model. FSDP is just parameter rules that differ from the compute rules (Levanter's
+`parameter_axis_mapping` vs `compute_axis_mapping`): parameters rest sharded over `fsdp` and XLA gathers them
+where the compute rules want them replicated. ZeRO-1 differs only in the optimizer-state rules.
+
+Define your own in a few lines:
+
+    my = sk.strategy("fsdp").replace(name="fsdp_vocab", param_rules={**sk.strategy("fsdp").param_rules,
+                                                                        "vocab": ("fsdp",), "embed": None})
+    sk.register_strategy(my)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from shardkit.errors import ShardkitError
+from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh
+
+#: Logical names of the GPT in models/ (models/axes.py) — every strategy must say what each one does.
+LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+_REPLICATED: dict[str, MeshAxes] = dict.fromkeys(LOGICAL_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """Rules tables + kernel choices. Mesh axes in `required_axes` must exist; others are used if present."""
+
+    name: str
+    param_rules: Mapping[str, MeshAxes]
+    compute_rules: Mapping[str, MeshAxes]
+    opt_rules: Mapping[str, MeshAxes] | None = None  # None: optimizer state sharded like the parameters
+    required_axes: tuple[str, ...] = ()
+    attention: str = "dense"
+    description: str = ""
+    collectives: str = ""  # what it compiles to, for the README table and explain()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_rules", normalize_rules(self.param_rules))
+        object.__setattr__(self, "compute_rules", normalize_rules(self.compute_rules))
+        if self.opt_rules is not None:
+            object.__setattr__(self, "opt_rules", normalize_rules(self.opt_rules))
+
+    def replace(self, **changes: Any) -> Strategy:
+        return dataclasses.replace(self, **changes)
+
+    def mesh_axes(self) -> set[str]:
+        """Every mesh axis any of the tables shards over."""
+        tables = [self.param_rules, self.compute_rules, self.opt_rules or {}]
+        return {a for t in tables for axes in t.values() for a in (axes or ())}
+
+    def bind(self, mesh: Mesh) -> BoundStrategy:
+        """Checks the strategy against a mesh and drops optional axes the mesh lacks."""
+        unused = [a for a, n in mesh.shape.items() if n > 1 and a not in self.mesh_axes()]
+        if unused:
+            raise ShardkitError(
+                f"strategy {self.name!r} does not use mesh axis {unused[0]!r} (size {mesh.shape[unused[0]]}): "
+                f"every device along it would compute the same thing. Remove it from the mesh or pick a strategy "
+                f"that uses it ({', '.join(s for s, v in STRATEGIES.items() if unused[0] in v.mesh_axes())})"
+            )
+        params = restrict_to_mesh(self.param_rules, mesh, self.required_axes)
+        return BoundStrategy(
+            strategy=self,
+            mesh=mesh,
+            param_rules=params,
+            opt_rules=params if self.opt_rules is None else restrict_to_mesh(self.opt_rules, mesh),
+            compute_rules=restrict_to_mesh(self.compute_rules, mesh),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundStrategy:
+    """A strategy resolved against one mesh: the three rules tables contain only axes of that mesh."""
+
+    strategy: Strategy
+    mesh: Mesh
+    param_rules: dict[str, MeshAxes]
+    opt_rules: dict[str, MeshAxes]
+    compute_rules: dict[str, MeshAxes]
+
+
+def _rules(**overrides: str | Sequence[str] | None) -> dict[str, MeshAxes]:
+    return {**_REPLICATED, **normalize_rules(overrides)}
+
+
+_TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+_DP_FSDP = ("data", "fsdp")
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(s: Strategy) -> Strategy:
+    """Makes `sk.strategy(s.name)` return `s` (replacing any strategy of that name)."""
+    STRATEGIES[s.name] = s
+    return s
+
+
+register_strategy(
+    Strategy(
+        "dp",
+        _rules(),
+        _rules(batch="data"),
+        required_axes=("data",),
+        description="batch over data; parameters and optimizer state replicated",
+        collectives="all-reduce of gradients over data, once per step",
+    )
+)
+register_strategy(
+    Strategy(
+        "zero1",
+        _rules(),
+        _rules(batch="data"),
+        opt_rules=_rules(embed="data"),
+        required_axes=("data",),
+        description="as dp, but optimizer state sharded over data (ZeRO-1)",
+        collectives="all-reduce of gradients; all-gather of updated parameters over data",
+    )
+)
+register_strategy(
+    Strategy(
+        "fsdp",
+        _rules(embed="fsdp"),
+        _rules(batch=_DP_FSDP),
+        required_axes=("fsdp",),
+        description="batch over data x fsdp; parameters, gradients, optimizer state on embed over fsdp (ZeRO-3)",
+        collectives="all-gather of parameters (fwd and bwd), reduce-scatter of gradients over fsdp",
+    )
+)
+register_strategy(
+    Strategy(
+        "tp",
+        _rules(**_TP),
+        _rules(batch="data", **_TP),
+        required_axes=("tensor",),
+        description="Megatron: QKV / MLP-in column-parallel, out / MLP-out row-parallel, vocab-parallel head",
+        collectives="2 all-reduces of activations per layer forward, 2 backward, over tensor",
+    )
+)
+register_strategy(
+    Strategy(
+        "tp_sp",
+        _rules(**_TP),
+        _rules(batch="data", res_seq="tensor", **_TP),
+        required_axes=("tensor",),
+        description="tp + norms and residual stream sharded on sequence (Korthikanti et al.)",
+        collectives="all-gather / reduce-scatter pairs over tensor instead of tp's all-reduces",
+    )
+)
+register_strategy(
+    Strategy(
+        "fsdp_tp",
+        _rules(embed="fsdp", **_TP),
+        _rules(batch=_DP_FSDP, **_TP),
+        required_axes=("fsdp", "tensor"),
+        description="fsdp over fsdp x Megatron tp over tensor (data, if present, is plain data parallel)",
+        collectives="fsdp's all-gather / reduce-scatter over fsdp + tp's all-reduces over tensor",
+    )
+)
+register_strategy(
+    Strategy(
+        "dp_fsdp_tp",
+        _rules(embed="fsdp", **_TP),
+        _rules(batch=_DP_FSDP, **_TP),
+        required_axes=("data", "fsdp", "tensor"),
+        description="3D: replicas over data (HSDP), fsdp within, Megatron tp innermost",
+        collectives="gradient all-reduce over data + fsdp's all-gather / reduce-scatter + tp's all-reduces",
+    )
+)
+
+
+def strategy(name: str | Strategy) -> Strategy:
+    """The registered strategy `name` (a Strategy passes through)."""
+    if isinstance(name, Strategy):
+        return name
+    if name not in STRATEGIES:
+        raise ShardkitError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
