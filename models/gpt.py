@@ -96,32 +96,38 @@ class Block(nnx.Module):
         e, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2 residual scaling
         self.cfg = cfg
+        g = n // k  # query heads per key/value head
         self.attn_norm = _ones((e,), (EMBED,), cfg)
-        self.wq = _param(rngs, (e, n, h), (EMBED, HEADS, HEAD_DIM), cfg, std)
-        self.wk = _param(rngs, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM), cfg, std)
-        self.wv = _param(rngs, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM), cfg, std)
+        # Q, K and V of one KV group side by side: [embed, kv_heads, g queries + 1 key + 1 value, head_dim]. One
+        # matmul means one partial-sum for dX in backward, so tensor parallelism all-reduces once (Megatron's f).
+        self.wqkv = _param(rngs, (e, k, g + 2, h), (EMBED, KV_HEADS, None, HEAD_DIM), cfg, std)
         self.wo = _param(rngs, (n, h, e), (HEADS, HEAD_DIM, EMBED), cfg, out_std)
         self.mlp_norm = _ones((e,), (EMBED,), cfg)
-        self.w_gate = _param(rngs, (e, f), (EMBED, MLP), cfg, std)
-        self.w_up = _param(rngs, (e, f), (EMBED, MLP), cfg, std)
+        self.w_gate_up = _param(rngs, (e, 2, f), (EMBED, None, MLP), cfg, std)  # SwiGLU gate and up, fused
         self.w_down = _param(rngs, (f, e), (MLP, EMBED), cfg, out_std)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         # x: [batch, res_seq, embed]
         h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
-        q = sk.constrain(jnp.einsum("bse,enh->bsnh", h, self.wq[...].astype(dt)), (BATCH, SEQ, HEADS, HEAD_DIM))
-        k = sk.constrain(jnp.einsum("bse,ekh->bskh", h, self.wk[...].astype(dt)), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
-        v = sk.constrain(jnp.einsum("bse,ekh->bskh", h, self.wv[...].astype(dt)), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        h = sk.constrain(h, (BATCH, SEQ, EMBED))  # Megatron-SP's all-gather of the sequence (no-op without SP)
+        qkv = jnp.einsum("bse,ekgh->bskgh", h, self.wqkv[...].astype(dt))
+        qkv = sk.constrain(qkv, (BATCH, SEQ, KV_HEADS, None, HEAD_DIM))
+        b, s, kv, g2, hd = qkv.shape
+        q = sk.constrain(qkv[:, :, :, : g2 - 2].reshape(b, s, kv * (g2 - 2), hd), (BATCH, SEQ, HEADS, HEAD_DIM))
+        kv_axes = (BATCH, SEQ, KV_HEADS, HEAD_DIM)
+        k, v = sk.constrain(qkv[:, :, :, g2 - 2], kv_axes), sk.constrain(qkv[:, :, :, g2 - 1], kv_axes)
+        q = sk.constrain(rope(q, positions, cfg.rope_theta), (BATCH, SEQ, HEADS, HEAD_DIM))
+        k = sk.constrain(rope(k, positions, cfg.rope_theta), kv_axes)
         o = sk.attention.attend(q, k, v, causal=True, segment_ids=segment_ids)
         o = sk.constrain(o, (BATCH, SEQ, HEADS, HEAD_DIM))
         x = x + sk.constrain(jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dt)), (BATCH, RES_SEQ, EMBED))
 
         h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
-        g = sk.constrain(jnp.einsum("bse,ef->bsf", h, self.w_gate[...].astype(dt)), (BATCH, SEQ, MLP))
-        u = sk.constrain(jnp.einsum("bse,ef->bsf", h, self.w_up[...].astype(dt)), (BATCH, SEQ, MLP))
-        y = jnp.einsum("bsf,fe->bse", jax.nn.silu(g) * u, self.w_down[...].astype(dt))
+        h = sk.constrain(h, (BATCH, SEQ, EMBED))
+        gu = sk.constrain(jnp.einsum("bse,etf->bstf", h, self.w_gate_up[...].astype(dt)), (BATCH, SEQ, None, MLP))
+        act = sk.constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP))
+        y = jnp.einsum("bsf,fe->bse", act, self.w_down[...].astype(dt))
         return x + sk.constrain(y, (BATCH, RES_SEQ, EMBED))
 
 

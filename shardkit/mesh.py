@@ -184,7 +184,7 @@ def resolve_axes(spec: str | Mapping[str, int], num_devices: int) -> dict[str, i
 def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
     """A Mesh with Auto axes from 'data=2,fsdp=4', a dict, or a preset name; validates everything first."""
     devices = list(jax.devices() if devices is None else devices)
-    if isinstance(spec, str) and "=" not in spec and spec.strip():
+    if isinstance(spec, str) and spec.strip().replace("-", "_").isidentifier():
         preset = load_preset(spec.strip())
         if preset.num_devices != len(devices):
             raise ShardkitError(
