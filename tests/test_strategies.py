@@ -119,7 +119,7 @@ def test_bad_plans_raise_before_xla(spec, strategy, cfg, message):
 def test_logical_name_without_rule_is_an_error_not_a_silent_replication():
     fsdp = sk.strategy("fsdp")
     rules = {k: v for k, v in fsdp.param_rules.items() if k != "mlp"}
-    with pytest.raises(sk.ShardkitError, match=r"parameter 'blocks/w_down': logical axis 'mlp' has no rule in this strategy"):
+    with pytest.raises(sk.ShardkitError, match=r"'blocks/w_down': logical axis 'mlp' has no rule"):
         sk.sharded_init(lambda rngs: GPT(TINY, rngs=rngs), sk.make_mesh("fsdp=8"), fsdp.replace(param_rules=rules))
 
 
