@@ -1,0 +1,99 @@
+"""The GPT itself: shapes, parameter count, causality, GQA attention, the layer scan, RoPE."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from common import TINY
+from flax import nnx
+
+import shardkit as sk
+from models.gpt import GPT, GPTConfig, rms_norm, rope
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GPT(TINY, rngs=nnx.Rngs(0))
+
+
+def test_logits_shape_and_parameter_count(model):
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    assert model(tokens).shape == (2, 16, TINY.vocab_size)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == TINY.num_params()
+    assert model.blocks.wqkv[...].shape[0] == TINY.num_layers  # stacked on `layers`
+
+
+def test_every_parameter_has_logical_axes(model):
+    axes = sk.param_logical_axes(model)
+    assert axes["blocks"]["wqkv"] == ("layers", "embed", "kv_heads", None, "head_dim")
+    assert axes["embed"] == ("vocab", "embed") and axes["head"] == ("embed", "vocab")
+
+
+def test_causal_future_tokens_do_not_change_past_logits(model):
+    a = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 16)), jnp.int32)
+    b = a.at[0, 10:].set((a[0, 10:] + 1) % 128)
+    la, lb = model(a), model(b)
+    np.testing.assert_array_equal(la[0, :10], lb[0, :10])
+    assert not np.allclose(la[0, 10:], lb[0, 10:])
+
+
+def test_scan_equals_applying_the_blocks_one_by_one(model):
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 16)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+    graphdef, stacked = nnx.split(model.blocks)
+    x = jnp.take(model.embed[...], tokens, axis=0)
+    for i in range(TINY.num_layers):
+        x = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked))(x, pos, None)
+
+    ref = rms_norm(x, model.final_norm[...], TINY.norm_eps) @ model.head[...]
+    np.testing.assert_allclose(model(tokens), ref, rtol=1e-5, atol=1e-5)
+
+
+def reference_attention(q, k, v, mask):
+    """Plain softmax attention with K/V heads repeated for GQA (query head n uses kv head n // group)."""
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bqnd,bknd->bnqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    return jnp.einsum("bnqk,bknd->bqnd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_dense_attention_gqa_and_segments_match_reference(segments):
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(2, 12, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 12, 2, 8)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.repeat([[0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]], 2, axis=0)) if segments else None
+    mask = jnp.tril(jnp.ones((12, 12), bool))[None].repeat(2, axis=0)
+    if segments:
+        mask &= seg[:, :, None] == seg[:, None, :]
+    out = sk.attention.dense_attention(q, k, v, causal=True, segment_ids=seg)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rng = np.random.default_rng(3)
+    q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32) for _ in range(2))
+    score = lambda i, j: float((rope(q, jnp.array([[i]]), 10_000.0) * rope(k, jnp.array([[j]]), 10_000.0)).sum())
+    assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-5)
+    assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_heads": 6, "num_kv_heads": 4}, r"num_heads=6 must be a multiple of num_kv_heads=4"),
+        ({"head_dim": 7}, r"head_dim=7 must be even"),
+        ({"remat": "some"}, r"remat='some'"),
+    ],
+)
+def test_bad_model_config(kwargs, message):
+    with pytest.raises(sk.ShardkitError, match=message):
+        GPTConfig(**kwargs)
+
+
+def test_constrain_checks_rank():
+    mesh = sk.make_mesh("data=8")
+    with sk.use_rules(mesh, {"batch": ("data",)}), pytest.raises(sk.ShardkitError, match=r"2 logical names"):
+        sk.constrain(jnp.zeros((8, 4, 2)), ("batch", None))
