@@ -134,11 +134,48 @@ class TrainStep:
         self.check_batch(batch)
         return self._eval(params, batch)
 
-    def _loss(self, params: dict[str, Any], batch: Batch) -> jax.Array:
-        with use_rules(self.mesh, self.bound.compute_rules, attention=self.strategy.attention):
+    def _loss(self, params: dict[str, Any], batch: Batch, rules: dict[str, Any] | None = None) -> jax.Array:
+        with use_rules(self.mesh, rules or self.bound.compute_rules, attention=self.strategy.attention):
             extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
             logits = nnx.merge(self.graphdef, params)(batch["inputs"], **extra)
             return cross_entropy(logits, batch["targets"])
+
+    def _accumulate(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
+        """Mean loss and gradient over `microbatches` slices of the batch, reduced over devices once.
+
+        Under plain GSPMD a scan over microbatches all-reduces the gradients inside the loop, M times per step.
+        Instead each of the D batch shards keeps its own unreduced gradient: the loss is vmapped over a leading
+        shard axis placed on the batch mesh axes (`spmd_axis_name`), the accumulator is [D, *param] with one
+        full-size gradient per device (the price, as with DDP's no_sync), and one sum over D after the loop is
+        the step's only gradient reduction (an all-reduce, or a reduce-scatter for sharded parameters).
+        """
+        m = self.microbatches
+        # Strided split: row r goes to microbatch r % m, so each microbatch keeps the batch's sharding.
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+        axes = self.bound.compute_rules.get("batch") or ()
+        d = math.prod(self.mesh.shape[a] for a in axes)
+        if d == 1:
+            grad_fn = jax.value_and_grad(self._loss)
+        else:
+            local_rules = {**self.bound.compute_rules, "batch": None}  # the shard axis carries the batch sharding
+            per_shard = jax.vmap(
+                jax.value_and_grad(lambda p, b: self._loss(p, b, local_rules)), in_axes=(None, 0), spmd_axis_name=axes
+            )
+            split = lambda mb: jax.tree.map(lambda x: x.reshape(d, x.shape[0] // d, *x.shape[1:]), mb)
+            grad_fn = lambda p, mb: per_shard(p, split(mb))
+
+        def accumulate(carry: Any, mb: Batch) -> tuple[Any, None]:
+            return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+
+        zeros = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+        if d > 1:
+            unreduced = NamedSharding(self.mesh, PartitionSpec(axes))
+            zeros = jax.lax.with_sharding_constraint(zeros, jax.tree.map(lambda _: unreduced, zeros))
+        (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+        if d > 1:
+            loss, grads = jax.tree.map(lambda x: x.sum(axis=0), (loss, grads))
+        return jax.tree.map(lambda x: x / (m * d), (loss, grads))
 
     def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         grad_fn = jax.value_and_grad(self._loss)
@@ -146,16 +183,7 @@ class TrainStep:
         if m == 1:
             loss, grads = grad_fn(state.params, batch)
         else:
-            # Strided split: row r goes to microbatch r % m, so each microbatch keeps the batch's sharding.
-            micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
-
-            def accumulate(carry: Any, mb: Batch) -> tuple[Any, None]:
-                loss, grads = grad_fn(state.params, mb)
-                return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-            (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-            loss, grads = jax.tree.map(lambda x: x / m, (loss, grads))
+            loss, grads = self._accumulate(state.params, batch)
         grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         # ZeRO-1: the update is computed on optimizer-state shards, then the new parameters are gathered.

@@ -55,9 +55,12 @@ def test_strategy_matches_one_device(name, reference):
     assert_params_close(params, ref_params, rtol=1e-5)
 
 
-def test_gradient_accumulation_matches_full_batch(reference):
+@pytest.mark.parametrize(
+    ("spec", "strategy", "m"), [("data=2,fsdp=4", "fsdp", 2), ("data=8", "dp", 2), ("data=4,tensor=2", "tp_sp", 2)]
+)
+def test_gradient_accumulation_matches_full_batch(reference, spec, strategy, m):
     ref_losses, ref_params = reference
-    losses, params, _, _ = train(sk.make_mesh("data=2,fsdp=4"), "fsdp", microbatches=2)
+    losses, params, _, _ = train(sk.make_mesh(spec), strategy, microbatches=m)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(params, ref_params, rtol=1e-5)
 

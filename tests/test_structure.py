@@ -98,3 +98,16 @@ def test_combined_strategies_use_every_axis_for_its_own_job(spec, strategy):
         assert data and all(c.kind == "all-reduce" for c in data), "data is plain replication (HSDP)"
     gathered = moved(select(colls, "all-gather", ("fsdp",)), "result_bytes")
     assert gathered >= PARAM_BYTES / 2  # every parameter's 1/tensor slice is gathered (fwd, and bwd for blocks)
+
+
+@pytest.mark.parametrize(("spec", "strategy"), [("data=8", "dp"), ("fsdp=8", "fsdp"), ("data=4,tensor=2", "tp")])
+def test_gradient_accumulation_reduces_gradients_once_per_step_not_per_microbatch(spec, strategy):
+    mesh = sk.make_mesh(spec)
+    model = sk.sharded_init(lambda rngs: GPT(TINY, rngs=rngs), mesh, strategy)
+    sent = {}
+    for m in (1, 4):
+        step = sk.make_train_step(model, optax.sgd(0.1), mesh, strategy, microbatches=m)
+        c = step.lower(step.init_state(), make_batch(32, SEQ)).compile()
+        colls = [x for x in hlo.collectives(c, mesh) if x.kind in ("all-reduce", "reduce-scatter")]
+        sent[m] = sum(x.bytes_sent for x in colls if set(x.axes) & {"data", "fsdp"})
+    assert sent[4] == pytest.approx(sent[1], rel=0.02), sent
