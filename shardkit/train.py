@@ -184,9 +184,10 @@ class TrainStep:
             loss, grads = grad_fn(state.params, batch)
         else:
             loss, grads = self._accumulate(state.params, batch)
-        grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+        # Gradients take the optimizer state's layout: the parameters' for most strategies; for ZeRO-1 they are
+        # reduce-scattered, the update runs on optimizer-state shards, and the new parameters are all-gathered.
+        grads = jax.lax.with_sharding_constraint(grads, self._update_shardings)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        # ZeRO-1: the update is computed on optimizer-state shards, then the new parameters are gathered.
         updates = jax.lax.with_sharding_constraint(updates, self._update_shardings)
         params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), self.param_shardings)
         tokens = jnp.asarray(math.prod(batch["targets"].shape), jnp.int32)
