@@ -1,6 +1,7 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
-from shardkit import attention
+from shardkit import attention, collectives, costmodel, tensor3d
+from shardkit.costmodel import plan
 from shardkit.errors import ShardkitError
 from shardkit.init import abstract_model, param_logical_axes, param_shardings, sharded_init
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh
@@ -19,15 +20,19 @@ __all__ = [
     "abstract_model",
     "attention",
     "available_presets",
+    "collectives",
     "constrain",
+    "costmodel",
     "load_preset",
     "logical_to_spec",
     "make_mesh",
     "make_train_step",
     "param_logical_axes",
     "param_shardings",
+    "plan",
     "register_strategy",
     "sharded_init",
     "strategy",
+    "tensor3d",
     "use_rules",
 ]

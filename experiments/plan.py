@@ -1,0 +1,79 @@
+"""Rank every 4D (and dp / fsdp / tp / tp_sp) plan for a GPT on a cluster, before running anything.
+
+    python -m experiments.plan --model gpt_7b --devices 1024 --hardware perlmutter [--top 10] [--plot plans.png]
+    python -m experiments.plan --model gpt_7b --devices 64 --hardware frontier --variant axonn --batch 64
+
+--model names a config in experiments/configs (its model shape, batch size and sequence length are used;
+--batch / --seq override them). Prints the ranked table of `sk.plan` (predicted communication time per step,
+GiB sent per device, memory per device) and the plans rejected for memory; --plot draws the top plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+
+from models.gpt import GPTConfig
+from shardkit import costmodel
+
+
+def model_from_config(name: str) -> tuple[GPTConfig, int, int]:
+    """(GPTConfig, batch size, seq len) from experiments/configs/<name>.py."""
+    c = importlib.import_module(f"experiments.configs.{name}").get_config()
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    model = {k: v for k, v in c.model.to_dict().items() if k in fields and v}
+    model["vocab_size"] = model.get("vocab_size") or 32768
+    return GPTConfig(**model), int(c.batch_size), int(c.seq_len)
+
+
+def plot(plans: list[costmodel.Plan], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(plans) + 1.5))
+    labels = [f"{p.strategy} {p.grid}" for p in plans][::-1]
+    kinds = sorted({c.kind + " " + c.axis for p in plans for c in p.comms})
+    left = [0.0] * len(plans)
+    hw_time = {id(p): p.comm_time_s / max(p.comm_bytes, 1) for p in plans}  # split each bar by bytes share
+    for k in kinds:
+        ms = [sum(c.bytes for c in p.comms if c.kind + " " + c.axis == k) * hw_time[id(p)] * 1e3 for p in plans]
+        ax.barh(labels, ms[::-1], left=left[::-1], label=k)
+        left = [a + b for a, b in zip(left, ms, strict=True)]
+    ax.set_xlabel("predicted communication per step (ms), split by bytes per collective kind and axis")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gpt_7b", help="a config in experiments/configs")
+    ap.add_argument("--devices", type=int, default=1024)
+    ap.add_argument("--hardware", default="perlmutter", help="a preset in meshes/")
+    ap.add_argument("--batch", type=int, default=0, help="global batch (default: the config's)")
+    ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
+    ap.add_argument("--variant", default="alpha-beta", choices=("alpha-beta", "axonn"))
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--plot", default="", help="write a PNG of the top plans")
+    args = ap.parse_args(argv)
+    cfg, batch, seq = model_from_config(args.model)
+    batch, seq = args.batch or batch, args.seq or seq
+    plans = costmodel.plan(cfg, args.devices, args.hardware, batch, seq, variant=args.variant, include_rejected=True)
+    fits = [p for p in plans if p.fits]
+    title = (f"{args.model} ({cfg.num_params() / 1e9:.2f}B params), {args.devices} x {args.hardware}, "
+             f"batch {batch} x {seq}, {args.variant}")  # fmt: skip
+    print(title)
+    print(costmodel.format_plans(fits[: args.top]))
+    print(f"{len(fits)} plans fit, {len(plans) - len(fits)} rejected for memory, e.g.:")
+    print(costmodel.format_plans([p for p in plans if not p.fits][:3]))
+    if args.plot:
+        plot(fits[: args.top], args.plot, title)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
