@@ -87,8 +87,17 @@ class TrainStep:
 
     # ----------------------------------------------------------------------------------------------- state
     def init_state(self, model: nnx.Module | None = None) -> TrainState:
-        """Parameters from `model` (default: the one given at construction), optimizer state sharded."""
+        """Parameters from `model` (default: the one given at construction), optimizer state sharded.
+
+        The step may be built from `sk.abstract_model(...)` (shapes only) to validate, lower or restore a
+        checkpoint before any parameter exists; then pass the real model here.
+        """
         params = nnx.to_pure_dict(nnx.split(model or self._model)[1])
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            raise ShardkitError(
+                "this TrainStep was built from an abstract model (shapes only); pass the real model: "
+                "step.init_state(sk.sharded_init(make_model, mesh, strategy))"
+            )
         params = jax.device_put(params, self.param_shardings)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         return TrainState(
@@ -101,7 +110,8 @@ class TrainStep:
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs with shardings: the target tree for restoring a checkpoint onto this mesh."""
-        shapes = jax.eval_shape(self.init_state)
+        params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(self._model)[1]))
+        shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params))
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
         )

@@ -104,3 +104,17 @@ def test_batch_not_divisible_is_refused_before_compiling():
     _, _, step, state = train(sk.make_mesh("data=2,fsdp=4"), "fsdp", steps=0)
     with pytest.raises(sk.ShardkitError, match=r"batch 12 is not divisible by 8"):
         step(state, make_batch(batch=12))
+
+
+def test_step_built_from_the_abstract_model_lowers_then_takes_real_parameters(reference):
+    """Validate and compile before any parameter exists (what experiments/train.py does on resume)."""
+    mesh = sk.make_mesh("data=2,fsdp=4")
+    make = lambda rngs: __import__("models.gpt", fromlist=["GPT"]).GPT(TINY, rngs=rngs)
+    step = sk.make_train_step(sk.abstract_model(make), optax.sgd(0.5, momentum=0.9), mesh, "fsdp")
+    batch = make_batch()
+    step.lower(step.abstract_state(), batch)
+    with pytest.raises(sk.ShardkitError, match=r"built from an abstract model"):
+        step.init_state()
+    state = step.init_state(sk.sharded_init(make, mesh, "fsdp"))
+    losses = [float(step(state, batch)[1]["loss"])]
+    np.testing.assert_allclose(losses, reference[0][:1], rtol=1e-5)

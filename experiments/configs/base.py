@@ -1,0 +1,77 @@
+"""Every training config field, documented; the defaults are the CPU `gpt_tiny` run (other configs start here)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """The default config (= gpt_tiny); `--config.<field>=...` overrides any field."""
+    c = ml_collections.ConfigDict()
+    c.config_name = "gpt_tiny"  # names the run dir (<run_dir>/<config_name>-<strategy>) unless `name` is set
+    c.name = ""  # run name; "" = "<config_name>-<strategy>". An existing run dir is resumed.
+    c.run_dir = "runs"  # metrics.jsonl, config.json and checkpoints/ go to <run_dir>/<name>/
+
+    # --- hardware and parallelism
+    c.hardware = "cpu8"  # preset in meshes/ (peak FLOP/s for MFU, HBM); "auto" = match jax.devices()
+    c.peak_flops = 0.0  # per-device peak FLOP/s override; 0 = the preset's (measured at start-up on CPU)
+    c.mesh = "data=2,fsdp=4"  # "axis=degree,..." (one degree may be -1) or a preset name; "" = the preset's mesh
+    c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp (see shardkit/strategies.py)
+    c.microbatches = 1  # gradient accumulation: batch_size is split into this many sequential microbatches
+    c.cpu_devices = 8  # virtual CPU devices (XLA_FLAGS) when running on CPU; ignored on accelerators
+    c.distributed = False  # multi-process: call jax.distributed.initialize() (also if JAX_COORDINATOR_ADDRESS is set)
+
+    # --- model: models.gpt.GPTConfig fields
+    c.model = ml_collections.ConfigDict()
+    m = c.model
+    m.vocab_size = 0  # 0 = from the data (257 bytes + EOT -> padded to 384)
+    m.num_layers = 4
+    m.d_model = 128
+    m.num_heads = 4
+    m.num_kv_heads = 4  # GQA when < num_heads; tensor parallelism needs it divisible by the tensor degree
+    m.head_dim = 32
+    m.mlp_dim = 512
+    m.max_seq_len = 0  # 0 = seq_len
+    m.rope_theta = 10_000.0
+    m.tie_embeddings = False
+    m.norm_eps = 1e-6
+    m.dtype = "float32"  # compute dtype; "bfloat16" on accelerators (params and optimizer stay float32)
+    m.param_dtype = "float32"
+    m.remat = "none"  # none | full | dots
+    m.init_std = 0.02
+
+    # --- optimizer: AdamW, linear warmup then cosine decay, global-norm clipping
+    c.optimizer = ml_collections.ConfigDict()
+    o = c.optimizer
+    o.name = "adamw"
+    o.lr = 3e-3  # peak learning rate
+    o.warmup_steps = 30
+    o.decay_steps = 0  # length of warmup + cosine; 0 = steps
+    o.min_lr_ratio = 0.1  # final lr = lr * min_lr_ratio
+    o.b1 = 0.9
+    o.b2 = 0.95
+    o.eps = 1e-8
+    o.weight_decay = 0.1  # decoupled; not applied to norm scales
+    o.grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
+
+    # --- data (experiments/data.py): byte tokens of the Python stdlib unless data.path is set
+    c.data = ml_collections.ConfigDict()
+    c.data.path = ""  # text file / directory / glob, nanoGPT dir with train.bin+val.bin, or a .bin file
+    c.data.bin_dtype = "uint16"  # token dtype of .bin files
+    c.data.cache_dir = ""  # tokenised-text cache; "" = ~/.cache/shardkit/data
+    c.data.max_files = 0  # use only the first N text files (0 = all)
+
+    # --- schedule of the run
+    c.batch_size = 32  # global batch (sequences per step, over all devices and microbatches)
+    c.seq_len = 128
+    c.steps = 300
+    c.seed = 0  # parameter init and data order
+    c.eval_every = 50  # validation loss every N steps (and at the end); 0 = only at the end
+    c.eval_batches = 4  # fixed validation windows: eval_batches x batch_size
+    c.ckpt_every = 100  # checkpoint every N steps (and at the end / on SIGTERM, SIGINT); 0 = only then
+    c.keep = 3  # checkpoints kept (oldest deleted after a newer one commits)
+    c.async_checkpointing = True  # write checkpoints in a background thread
+    c.log_every = 10  # without a terminal (logs, CI): one progress line every N steps
+    c.progress = True  # tqdm bar when stderr is a terminal
+    c.jax_cache_dir = "~/.cache/shardkit/jax"  # persistent compile cache ("" = off); kept if already configured
+    return c

@@ -1,0 +1,398 @@
+"""Train a GPT under any shardkit strategy: config files + flags, real data, checkpoints, metrics, MFU.
+
+    python -m experiments.train                          # gpt_tiny: fsdp on 8 virtual CPU devices, ~2.5 min
+    python -m experiments.train --config.strategy=tp --config.mesh="data=2,tensor=4"          # another strategy
+    python -m experiments.train --config=experiments/configs/gpt_1b.py --config.data.path=/data/owt   # a pod
+
+Writes `<run_dir>/<name>/` (name: `--config.name`, default `<config_name>-<strategy>`): `config.json` (the resolved
+config; `experiments.sample` rebuilds the model from it), `metrics.jsonl` (per step: step, loss, grad_norm, lr,
+tokens, step_time, tokens_per_s, mfu, + val_loss on eval steps; `experiments.plot` draws it) and
+`checkpoints/<step>/`. Rerunning the same command resumes from the last checkpoint exactly (same losses: the data
+order is a function of the step, the optimizer state is in the checkpoint); `--config.name=<run>` with another
+mesh or strategy resumes that run resharded. SIGTERM / Ctrl-C finish the step, checkpoint and exit; a NaN or Inf
+stops the run and keeps the last good checkpoint. `train(config) -> summary` is the in-process API.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # before jax is imported
+    _n = re.search(r"--config\.cpu_devices[= ](\d+)", " ".join(sys.argv))
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n.group(1) if _n else 8}"
+    ).strip()
+
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import app, logging
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import config_flags
+from tqdm import tqdm
+
+import shardkit as sk
+from experiments import data
+from models.gpt import GPT, GPTConfig
+from shardkit.checkpoint import Checkpointer, NonFiniteError
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "gpt_tiny.py")
+with warnings.catch_warnings():  # ml_collections loads config files with the deprecated importlib load_module()
+    warnings.simplefilter("ignore", DeprecationWarning)
+    _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "experiment config file (experiments/configs/)")
+
+
+# ------------------------------------------------------------------------------------------------------ building
+def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup + cosine decay to lr * min_lr_ratio, global-norm clipping, no decay on norms."""
+    if opt.name != "adamw":
+        raise sk.ShardkitError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
+    decay = opt.decay_steps or steps
+    if not 0 <= opt.warmup_steps < decay:
+        raise sk.ShardkitError(
+            f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, {decay}) (the schedule length: "
+            f"optimizer.decay_steps or steps); set --config.optimizer.warmup_steps={decay // 10}"
+        )
+    schedule = optax.warmup_cosine_decay_schedule(0.0, opt.lr, opt.warmup_steps, decay, opt.lr * opt.min_lr_ratio)
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "norm" not in jax.tree_util.keystr(path), params
+    )
+    adamw = optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decay_mask)
+    return (optax.chain(optax.clip_by_global_norm(opt.grad_clip), adamw) if opt.grad_clip else adamw), schedule
+
+
+def model_config(config: ml_collections.ConfigDict, data_vocab: int) -> GPTConfig:
+    """GPTConfig from config.model; vocab_size 0 = the data's (padded to 128), max_seq_len 0 = seq_len."""
+    fields = dict(config.model)
+    fields["vocab_size"] = fields["vocab_size"] or -(-data_vocab // 128) * 128
+    fields["max_seq_len"] = fields["max_seq_len"] or config.seq_len
+    if fields["vocab_size"] < data_vocab:
+        raise sk.ShardkitError(f"model.vocab_size={fields['vocab_size']} < the data's vocabulary {data_vocab}")
+    if config.seq_len > fields["max_seq_len"]:
+        raise sk.ShardkitError(f"seq_len={config.seq_len} > model.max_seq_len={fields['max_seq_len']}")
+    return GPTConfig(**fields)
+
+
+def resolve_preset(name: str) -> sk.HardwarePreset | None:
+    """The named preset; for "auto" the preset whose device kind (and count) matches jax.devices(), else None."""
+    if name != "auto":
+        return sk.load_preset(name)
+    kind, n = jax.devices()[0].device_kind, jax.device_count()
+    found = [p for p in map(sk.load_preset, sk.available_presets()) if p.device_kind == kind]
+    return min(found, key=lambda p: p.num_devices != n, default=None)
+
+
+def calibrate_peak_flops(devices: Sequence[jax.Device], n: int = 512, reps: int = 20) -> float:
+    """Per-device FLOP/s of an fp32 [n, n] @ [n, n] matmul run on all `devices` at once (best of `reps`)."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32), NamedSharding(mesh, PartitionSpec("d")))
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
+    """Bytes of `tree`'s arrays held by each addressable device (sum over the arrays' addressable shards)."""
+    out: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything `train` builds before it touches parameters: validated, nothing compiled yet."""
+
+    mesh: jax.sharding.Mesh
+    model_cfg: GPTConfig
+    step: sk.TrainStep  # built on the abstract model: shardings and jitted functions, no parameters
+    schedule: optax.Schedule
+    ds: data.TokenDataset
+    dir: Path
+    preset: sk.HardwarePreset | None
+
+
+def build(config: ml_collections.ConfigDict) -> Run:
+    """Validates the config against the devices and data (ShardkitError with the fix) and builds the train step."""
+    for key in ("steps", "batch_size", "seq_len", "microbatches", "keep", "eval_batches"):
+        if config[key] < 1:
+            raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
+    strategy = sk.strategy(config.strategy)
+    preset = resolve_preset(config.hardware)
+    mesh = sk.make_mesh(config.mesh or (preset.axes if preset else {"fsdp": -1}))  # "": the preset's mesh
+    strategy.bind(mesh)
+    try:
+        d = config.data
+        ds = data.load_dataset(
+            d.path or None,
+            cache_dir=d.cache_dir or None,
+            bin_dtype=np.dtype(d.bin_dtype),
+            max_files=d.max_files or None,
+        )
+        data.batch_offsets(min(len(ds.train), len(ds.val)), 0, 0, config.seq_len)
+    except (OSError, ValueError) as e:
+        raise sk.ShardkitError(f"data.path={config.data.path or '(stdlib)'}: {e}") from e
+    model_cfg = model_config(config, ds.vocab_size)
+    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    abstract = sk.abstract_model(lambda rngs: GPT(model_cfg, rngs=rngs), config.seed)
+    step = sk.make_train_step(abstract, tx, mesh, strategy, microbatches=config.microbatches)
+    step.check_batch({"inputs": jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)})
+    name = config.name or f"{config.config_name}-{config.strategy}"
+    return Run(mesh, model_cfg, step, schedule, ds, Path(config.run_dir).expanduser() / name, preset)
+
+
+# ------------------------------------------------------------------------------------------------------ running
+class _Stop:
+    """SIGTERM (preemption) and a first Ctrl-C ask the loop to checkpoint and stop; a second Ctrl-C interrupts."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        with contextlib.suppress(ValueError):  # signal handlers only in the main thread
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, sig: int, frame: Any) -> None:
+        if self.signal == signal.SIGINT and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = sig
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+class _Log:
+    """Per-step records to metrics.jsonl (process 0; lines past `start` left by a killed run are dropped), progress
+    bar or lines, and the NaN check."""
+
+    def __init__(self, config: ml_collections.ConfigDict, run: Run, start: int, peak: float, say: Callable, bar: bool):
+        self.config, self.say, self.records, self.t_last = config, say, [], time.perf_counter()
+        self.flops = run.model_cfg.flops_per_token(config.seq_len) / (peak * run.mesh.devices.size) if peak else 0.0
+        self.lrs = np.asarray(run.schedule(np.arange(config.steps + 1)))
+        self.bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True) if bar else None
+        self.file = None
+        if jax.process_index() == 0:
+            path = run.dir / "metrics.jsonl"
+            if path.exists():  # a line cut short by a kill fails to parse and is dropped too
+                keep = [ln for ln in path.read_text().splitlines() if _step_of(ln) <= start]
+                path.with_suffix(".tmp").write_text("".join(ln + "\n" for ln in keep))
+                os.replace(path.with_suffix(".tmp"), path)
+            self.file = path.open("a", buffering=1)
+
+    def record(self, k: int, metrics: dict[str, jax.Array], last_good: str) -> dict[str, Any]:
+        """Blocks on step k's metrics; a non-finite loss or gradient norm raises NonFiniteError."""
+        m, now = jax.device_get(metrics), time.perf_counter()
+        loss, gnorm, tokens, dt = float(m["loss"]), float(m["grad_norm"]), int(m["tokens"]), now - self.t_last
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            raise NonFiniteError(
+                f"step {k}: loss {loss}, grad_norm {gnorm} is not finite; stopped without saving. The last good "
+                f"checkpoint is {last_good}: lower optimizer.lr or raise warmup_steps, then rerun to resume from it"
+            )
+        self.t_last = now
+        rec = dict(step=k, loss=loss, grad_norm=gnorm, lr=float(self.lrs[k - 1]), tokens=tokens, step_time=dt)
+        rec.update(tokens_per_s=tokens / dt, mfu=tokens / dt * self.flops if self.flops else None)
+        self.records.append(rec)
+        return rec
+
+    def emit(self, rec: dict[str, Any]) -> None:
+        if self.file:
+            self.file.write(json.dumps(rec) + "\n")
+        text = f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
+        text += f" | MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)  # shown by the update's refresh
+            self.bar.update(rec["step"] - self.bar.n)
+        elif rec["step"] % self.config.log_every == 0 or "val_loss" in rec:
+            self.say(f"step {rec['step']:>6}/{self.config.steps} | {text}")
+        if "val_loss" in rec:
+            self.say(f"step {rec['step']}: val_loss {rec['val_loss']:.4f}")
+
+    def close(self) -> None:
+        for f in (self.bar, self.file):
+            if f is not None:
+                f.close()
+
+
+def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Trains (or resumes) the run `config` describes; returns a summary dict. Raises ShardkitError on bad config."""
+    if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS")) and not jax.distributed.is_initialized():
+        # Cluster auto-detection (TPU pods, SLURM, Open MPI, ...); by hand: JAX_COORDINATOR_ADDRESS=host:port
+        # plus JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+        env = {"num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
+        jax.distributed.initialize(**{k: int(os.environ[v]) for k, v in env.items() if v in os.environ})
+    if config.jax_cache_dir and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
+    t_start, main = time.perf_counter(), jax.process_index() == 0
+    run = build(config)
+    show_bar = main and config.progress and sys.stderr.isatty()
+    say: Callable[[str], None] = (tqdm.write if show_bar else print) if main else (lambda _: None)
+    ckpt = Checkpointer(run.dir / "checkpoints", keep=config.keep, async_save=config.async_checkpointing)
+    try:
+        return _train(config, run, ckpt, say, show_bar, t_start)
+    finally:
+        ckpt.close()  # waits for an in-flight save: the last good checkpoint is committed
+
+
+def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], None]) -> dict[str, Any]:
+    """Prints what is about to run; returns the run's `info` (also stored in config.json)."""
+    step, mesh, mcfg, ds, n_dev = run.step, run.mesh, run.model_cfg, run.ds, run.mesh.devices.size
+    where = f"{step.strategy.name} on mesh {','.join(f'{a}={n}' for a, n in mesh.shape.items())}"
+    say(f"shardkit: {run.dir} | {where} | {n_dev} x {jax.devices()[0].device_kind}, {jax.process_count()} process(es)")
+    say(f"  strategy {step.strategy.name}: {step.strategy.description}")
+    say(
+        f"model: {mcfg.num_params() / 1e6:.2f}M params ({mcfg.num_params(False) / 1e6:.2f}M non-embedding), "
+        f"{mcfg.num_layers} x {mcfg.d_model}, {mcfg.flops_per_token(config.seq_len) / 1e6:.1f} MFLOP/token; "
+        f"batch {config.batch_size} x {config.seq_len} = {config.batch_size * config.seq_len:,} tokens/step"
+    )
+    entropy = ds.unigram_entropy_nats()
+    say(
+        f"data: {ds.name}, train {len(ds.train):,} / val {len(ds.val):,} tokens; unigram entropy {entropy:.3f} "
+        "nats/token = the loss of predicting by token frequency alone: the baseline to beat clearly"
+    )
+    preset = run.preset
+    peak = config.peak_flops or (preset.peak_flops if preset else 0.0)
+    if not peak and jax.devices()[0].platform == "cpu":
+        peak = calibrate_peak_flops(mesh.devices.flat)
+        say(
+            f"peak: measured {peak * n_dev / 1e9:.1f} GFLOP/s fp32 matmul (512^3 on {n_dev} CPU devices at once) = "
+            f"{peak / 1e9:.2f} GFLOP/s per device; MFU is relative to that"
+        )
+    elif peak:
+        say(f"peak: {peak / 1e12:.1f} TFLOP/s per device ({f'preset {preset.name}' if preset else 'config'})")
+    else:
+        say(f"peak: unknown for {jax.devices()[0].device_kind}: no MFU (give --config.peak_flops or a preset)")
+    hbm = preset.hbm_bytes if preset else 0.0
+    return dict(where=where, unigram_entropy=entropy, data_vocab_size=ds.vocab_size, peak_flops=peak, hbm=hbm)
+
+
+def _train(
+    config: ml_collections.ConfigDict, run: Run, ckpt: Checkpointer, say: Callable[[str], None], bar: bool, t0: float
+) -> dict[str, Any]:
+    step, ds, b, t = run.step, run.ds, config.batch_size, config.seq_len
+    info = _header(config, run, say)
+    batch_shape = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=step.batch_sharding)
+    t_compile = time.perf_counter()
+    compiled = step.lower(step.abstract_state(), {"inputs": batch_shape, "targets": batch_shape}).compile()
+    say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
+    start = ckpt.latest_step()
+    if start is not None:
+        state, meta = ckpt.restore(step.abstract_state())
+        say(f"resumed from step {start} (saved under {meta.get('where', '?')}) in {ckpt.directory}")
+        if meta.get("seed", config.seed) != config.seed:
+            say(f"warning: seed {config.seed} differs from the run's {meta['seed']}: the data order changes here")
+    else:
+        model = sk.sharded_init(lambda r: GPT(run.model_cfg, rngs=r), run.mesh, step.strategy, seed=config.seed)
+        state, start = step.init_state(model), 0
+    mem = bytes_per_device((state.params, state.opt_state))
+    temp, hbm = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0), info.pop("hbm")
+    say(
+        f"memory: params + optimizer state {_mb(max(mem.values()))} per device (max over {len(mem)} devices"
+        f"{f', of {_mb(hbm)} HBM' if hbm else ''}); XLA temporaries {_mb(temp)}"
+    )
+    if jax.process_index() == 0:
+        run.dir.mkdir(parents=True, exist_ok=True)
+        resolved = {**config.to_dict(), "model": dataclasses.asdict(run.model_cfg), "info": info}
+        (run.dir / "config.json.tmp").write_text(json.dumps(resolved, indent=2))
+        os.replace(run.dir / "config.json.tmp", run.dir / "config.json")
+
+    val = data.val_batches(ds, config.eval_batches, b, t, step.batch_sharding)
+    log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar), None, None
+    last_good = lambda: f"step {ckpt.latest_step()} in {ckpt.directory}"
+    try:
+        with _Stop() as stop:
+            for s in range(start, config.steps):
+                batch = data.global_batch(ds, s, b, t, step.batch_sharding, seed=config.seed)
+                state, metrics = compiled(state, batch)  # dispatched: the host goes on while the devices work
+                if pending:
+                    log.emit(log.record(*pending, last_good()))
+                k, pending = s + 1, (s + 1, metrics)
+                evaluate = k == config.steps or (config.eval_every and k % config.eval_every == 0)
+                save = k == config.steps or (config.ckpt_every and k % config.ckpt_every == 0) or stop.signal
+                if evaluate or save:
+                    rec, pending = log.record(*pending, last_good()), None
+                    if evaluate:
+                        rec["val_loss"] = float(np.mean([float(step.eval_loss(state.params, v)) for v in val]))
+                    log.emit(rec)
+                    if save:
+                        ckpt.save(state, {"step": k, "where": info["where"], "seed": config.seed})
+                    log.t_last = time.perf_counter()
+                if stop.signal:
+                    stopped = signal.Signals(stop.signal).name
+                    say(f"{stopped}: checkpointed step {k}; rerun the same command to resume")
+                    break
+    finally:
+        log.close()
+
+    recs = log.records
+    tps = [r["tokens_per_s"] for r in recs[1:] or recs]
+    val_loss = next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), None)
+    summary = dict(run_dir=str(run.dir), start_step=start, step=int(state.step), stopped=stopped, val_loss=val_loss)
+    summary.update(
+        losses=[r["loss"] for r in recs], loss=recs[-1]["loss"] if recs else None, wall_s=time.perf_counter() - t0
+    )
+    summary.update(tokens_per_s=statistics.median(tps) if tps else None, unigram_entropy=info["unigram_entropy"])
+    summary.update(mfu=statistics.median(r["mfu"] for r in recs) if recs and info["peak_flops"] else None)
+    summary.update(num_params=run.model_cfg.num_params(), bytes_per_device=max(mem.values()))
+    if not recs:
+        say(f"nothing to do: the run is already at step {start} of {config.steps} (raise --config.steps to go on)")
+    else:
+        vs = f" | val_loss {val_loss:.4f} vs unigram entropy {info['unigram_entropy']:.3f}" if val_loss else ""
+        say(
+            f"done: step {summary['step']} in {summary['wall_s']:.0f} s | loss {summary['loss']:.4f}{vs} | "
+            f"{summary['tokens_per_s']:,.0f} tok/s median"
+        )
+    return summary
+
+
+def main(argv: Sequence[str]) -> None:
+    """absl entry point: `python -m experiments.train --config=... --config.x=...`; errors exit 2 (config) or 1."""
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    try:
+        summary = train(_CONFIG.value)
+    except (sk.ShardkitError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, sk.ShardkitError) else 1)
+    if summary["stopped"]:
+        sys.exit(128 + signal.Signals[summary["stopped"]].value)
+
+
+if __name__ == "__main__":
+    app.run(main)

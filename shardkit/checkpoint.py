@@ -1,0 +1,188 @@
+"""Save and restore a TrainState with orbax: atomic, keep the last k, restore onto any mesh and strategy.
+
+    ckpt = Checkpointer("runs/x/checkpoints", keep=3)
+    ckpt.save(state, meta={"data": {"step": 40, "seed": 0}})     # step = state.step; a non-finite state is refused
+    state, meta = ckpt.restore(step.abstract_state())           # latest step, laid out as the target says
+    ckpt.close()                                                # waits for an asynchronous save to commit
+
+Atomicity: orbax writes step 40 into ``40.orbax-checkpoint-tmp`` and renames it to ``40`` only once every array and
+the metadata are on disk (on object stores such as ``gs://`` a ``commit_success.txt`` marks the commit instead). A
+process killed mid-save leaves just the temporary directory: ``latest_step`` ignores it and the next ``Checkpointer``
+on that directory deletes it, so a restart resumes from the previous complete step. Old steps are deleted only after
+a newer one has committed.
+
+Resharding: the restore target is a tree of ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` such as
+``TrainStep.abstract_state()``; every array is read straight into that layout, whatever mesh and strategy wrote it
+(``fsdp`` on ``fsdp=8`` -> ``tp`` on ``data=2,tensor=4``, or one device for sampling). Shapes must match.
+Saving and restoring are collective: in a multi-process run every process calls them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from shardkit.errors import ShardkitError
+
+#: Orbax's marker for a step directory that is still being written (``<step>.orbax-checkpoint-tmp[-<time>]``).
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss, gradient or state that is NaN or Inf: stop, keep the last good checkpoint."""
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.array(True)
+
+
+def all_finite(tree: Any) -> bool:
+    """True when no floating-point array in `tree` holds a NaN or Inf (one small jitted reduction)."""
+    return bool(_all_finite(tree))
+
+
+def _options(keep: int, async_save: bool, read_only: bool) -> ocp.CheckpointManagerOptions:
+    kw: dict[str, Any] = dict(enable_async_checkpointing=async_save, read_only=read_only)
+    kw.update(create=not read_only, cleanup_tmp_directories=not read_only)
+    if read_only:
+        kw["save_interval_steps"] = 0  # what orbax sets (with a warning) for read-only managers
+    if hasattr(ocp, "checkpoint_managers") and hasattr(ocp.checkpoint_managers, "LatestN"):
+        kw["preservation_policy"] = ocp.checkpoint_managers.LatestN(n=keep)  # recent orbax
+    else:
+        kw["max_to_keep"] = keep  # older orbax (deprecated in newer ones)
+    return ocp.CheckpointManagerOptions(**kw)
+
+
+class Checkpointer:
+    """Checkpoints of a TrainState (plus a small JSON `meta` dict) in `directory/<step>/`, the last `keep` kept.
+
+    With `async_save` (the default) `save` returns once the arrays are copied to host memory and the files are
+    written by a background thread while training continues; the next `save`, `restore` or `close` waits for it.
+    `read_only` (e.g. to sample from a run that is still training) never writes, deletes or cleans up anything.
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], keep: int = 3, async_save: bool = True, read_only: bool = False
+    ):
+        if keep < 1:
+            raise ShardkitError(f"keep={keep}: keep at least the last checkpoint (keep >= 1)")
+        directory = os.fspath(directory)
+        self.directory = directory if "://" in directory else os.path.abspath(directory)  # gs://... stays
+        self.keep, self.read_only = keep, read_only
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        options = _options(keep, async_save, read_only)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # -------------------------------------------------------------------------------------------------- query
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (an interrupted save is not one)."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        return self._manager.latest_step()
+
+    # --------------------------------------------------------------------------------------------------- save
+    def save(self, state: Any, meta: dict[str, Any] | None = None, check_finite: bool = True) -> bool:
+        """Saves `state` as step `int(state.step)`; False if that step is already saved.
+
+        Raises NonFiniteError (and writes nothing) if `check_finite` and any floating-point array is NaN or Inf.
+        """
+        step = int(state.step)
+        if self.read_only:
+            raise ShardkitError(f"cannot save step {step}: this Checkpointer on {self.directory} is read-only")
+        if step in self._manager.all_steps():
+            return False
+        if check_finite and not all_finite(state):
+            raise NonFiniteError(
+                f"refusing to checkpoint step {step}: the state holds NaN or Inf; "
+                f"the last good checkpoint is step {self.latest_step()} in {self.directory}"
+            )
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta or {})))
+        return bool(self._manager.save(step, args=args, force=True))
+
+    # ------------------------------------------------------------------------------------------------ restore
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """(state, meta) of `step` (default: the latest), each array laid out by `target`'s shardings.
+
+        `target` is a tree of ShapeDtypeStructs with shardings, e.g. `TrainStep.abstract_state()`.
+        """
+        self._manager.wait_until_finished()
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self._manager.all_steps():
+            have = ", ".join(map(str, self.steps())) or "none"
+            raise ShardkitError(f"no checkpoint {'' if step is None else step} in {self.directory} (steps: {have})")
+        self._check_fits(step, target)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        try:
+            out = self._manager.restore(step, args=args)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ShardkitError(f"{self._misfit(step)}: {e}") from e
+        return out["state"], dict(out["meta"] or {})
+
+    def _misfit(self, step: int) -> str:
+        return (
+            f"checkpoint step {step} in {self.directory} does not fit the restore target: a different model or "
+            "optimizer (shapes and tree structure must match; mesh and strategy may differ)"
+        )
+
+    def _check_fits(self, step: int, target: Any) -> None:
+        """Compares leaf names and shapes with the checkpoint's metadata before orbax reads anything."""
+        try:
+            metadata = self._manager.item_metadata(step)["state"]
+        except Exception:  # no readable metadata: orbax's restore checks shapes itself
+            return
+        saved = {m.name: tuple(m.shape) for m in jax.tree.leaves(metadata) if hasattr(m, "name")}
+        want = {_leaf_name(p): tuple(t.shape) for p, t in jax.tree_util.tree_leaves_with_path(target)}
+        if not saved.keys() & want.keys():  # another naming scheme: leave it to orbax
+            return
+        bad = [f"{n}: saved {saved[n]}, target {s}" for n, s in want.items() if n in saved and saved[n] != s]
+        bad += [f"{n}: missing from the checkpoint" for n in want.keys() - saved.keys()]
+        bad += [f"{n}: only in the checkpoint" for n in saved.keys() - want.keys()]
+        if bad:
+            raise ShardkitError(f"{self._misfit(step)}; {'; '.join(sorted(bad)[:4])}{' ...' * (len(bad) > 4)}")
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Only the JSON `meta` of `step` (default: the latest); {} if there is no checkpoint."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return {}
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
+
+    # ------------------------------------------------------------------------------------------------ closing
+    def wait(self) -> None:
+        """Blocks until an asynchronous save has committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves, deletions and clean-ups, then releases orbax's threads."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    """Orbax's name of a leaf: its keys joined by dots (`opt_state.0.mu.blocks.wo`)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def tmp_dirs(directory: str | os.PathLike[str]) -> list[str]:
+    """Names of unfinished (interrupted or in-flight) step directories under `directory`."""
+    try:
+        return sorted(n for n in os.listdir(directory) if TMP_MARKER in n)
+    except FileNotFoundError:
+        return []
+
+
+__all__ = ["TMP_MARKER", "Checkpointer", "NonFiniteError", "all_finite", "tmp_dirs"]
