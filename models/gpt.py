@@ -44,7 +44,7 @@ class GPTConfig:
             raise sk.ShardkitError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise sk.ShardkitError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.remat not in ("none", "full", "dots"):
+        if self.remat not in sk.layers.REMAT_POLICIES:
             raise sk.ShardkitError(f"remat={self.remat!r}: choose 'none', 'full' or 'dots'")
 
     def num_params(self, include_embedding: bool = True) -> int:
@@ -143,12 +143,6 @@ def _stack_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
     return blocks
 
 
-_REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 class GPT(nnx.Module):
     """GPT(config, rngs=nnx.Rngs(0))(tokens int32[batch, seq]) -> logits float32[batch, seq, vocab]."""
 
@@ -170,13 +164,8 @@ class GPT(nnx.Module):
         x = sk.constrain(jnp.take(table, tokens, axis=0).astype(dt), (BATCH, RES_SEQ, EMBED))
 
         graphdef, layer_state = nnx.split(self.blocks)
-
-        def body(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
-
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT[cfg.remat])
-        x, _ = jax.lax.scan(body, x, layer_state)
+        block = lambda state, x, positions, segment_ids: nnx.merge(graphdef, state)(x, positions, segment_ids)
+        x = sk.layers.apply_stack(block, layer_state, x, positions, segment_ids, remat=cfg.remat)
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]

@@ -1,6 +1,6 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
-from shardkit import attention, checkpoint, collectives, costmodel, tensor3d
+from shardkit import attention, checkpoint, collectives, costmodel, layers, tensor3d
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.errors import ShardkitError
@@ -27,6 +27,7 @@ __all__ = [
     "collectives",
     "constrain",
     "costmodel",
+    "layers",
     "load_preset",
     "logical_to_spec",
     "make_mesh",

@@ -37,6 +37,7 @@ class Strategy:
     opt_rules: Mapping[str, MeshAxes] | None = None  # None: optimizer state sharded like the parameters
     required_axes: tuple[str, ...] = ()
     attention: str = "dense"
+    layers: str = "scan"  # how the stacked layers are applied (shardkit/layers.py): "scan" or a pipeline kernel
     description: str = ""
     collectives: str = ""  # what it compiles to, for the README table and explain()
 
@@ -180,3 +181,90 @@ def strategy(name: str | Strategy) -> Strategy:
     if name not in STRATEGIES:
         raise ShardkitError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}")
     return STRATEGIES[name]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Context parallelism (shardkit/attention/): the sequence is sharded over `seq` everywhere (res_seq too), and the
+# attention name picks the kernel and the data layout ("ring:<layout>", "ulysses", "usp:<layout>"); the data
+# loader lays batches out with sk.attention.layout_batch(batch, *sk.attention.strategy_layout(attention, mesh)).
+_SP = {"seq": "seq", "res_seq": "seq"}
+_USP = {"seq": ("seq_r", "seq_u"), "res_seq": ("seq_r", "seq_u")}  # ring-major: a2a over seq_u rebuilds ring blocks
+
+for _name, _attention, _what in (
+    ("sp_ring", "ring:contiguous", "ring attention, contiguous layout (causal work unbalanced, ~2x at large N)"),
+    ("sp_zigzag", "ring:zigzag", "ring attention, zigzag layout (rank r holds chunks r and 2N-1-r: balanced)"),
+    ("sp_striped", "ring:striped", "ring attention, striped layout (token i on rank i mod N: balanced)"),
+):
+    register_strategy(
+        Strategy(
+            _name,
+            _rules(),
+            _rules(batch="data", **_SP),
+            required_axes=("seq",),
+            attention=_attention,
+            description=f"sequence over seq, batch over data; {_what}",
+            collectives="per layer: N-1 collective-permutes of K, V fwd; K, V, dK, dV bwd; gradient all-reduce",
+        )
+    )
+register_strategy(
+    Strategy(
+        "sp_ulysses",
+        _rules(),
+        _rules(batch="data", **_SP),
+        required_axes=("seq",),
+        attention="ulysses",
+        description="sequence over seq; DeepSpeed-Ulysses all-to-all sequence <-> heads around attention",
+        collectives="per layer: 4 all-to-alls fwd (q, k, v, out), 4 bwd over seq; gradient all-reduce",
+    )
+)
+register_strategy(
+    Strategy(
+        "sp_usp",
+        _rules(),
+        _rules(batch="data", **_USP),
+        required_axes=("seq_u", "seq_r"),
+        attention="usp:zigzag",
+        description="USP: Ulysses over seq_u x zigzag ring attention over seq_r",
+        collectives="all-to-alls over seq_u + collective-permutes over seq_r per layer; gradient all-reduce",
+    )
+)
+register_strategy(
+    Strategy(
+        "fsdp_sp_zigzag",
+        _rules(embed="fsdp"),
+        _rules(batch=_DP_FSDP, **_SP),
+        required_axes=("fsdp", "seq"),
+        attention="ring:zigzag",
+        description="fsdp (ZeRO-3) over fsdp x zigzag ring attention over seq",
+        collectives="fsdp's all-gather / reduce-scatter over fsdp + ring collective-permutes over seq",
+    )
+)
+register_strategy(
+    Strategy(
+        "sp_zigzag_tp",
+        _rules(**_TP),
+        _rules(batch="data", **_SP, **_TP),
+        required_axes=("seq", "tensor"),
+        attention="ring:zigzag",
+        description="zigzag ring attention over seq x Megatron tp over tensor (each rank rings its heads)",
+        collectives="tp's all-reduces over tensor + ring collective-permutes of the local kv heads over seq",
+    )
+)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AxoNN 4D (Singh et al. 2305.13525; shardkit/tensor3d.py): tokens over data x depth, the residual stream's embed
+# over col, heads / mlp / vocab over row; weights additionally split over depth (FSDP-like). GSPMD compiles the
+# projections to AxoNN's collectives: weight all-gathers over depth, output all-reduces over col (QKV, MLP-in)
+# or row (attention-out, MLP-out: the "transposed" layers), input-gradient all-reduces over the other axis.
+_TP3D = {"heads": "row", "kv_heads": "row", "mlp": "row", "vocab": "row"}
+register_strategy(
+    Strategy(
+        "tp3d",
+        _rules(embed=("col", "depth"), **_TP3D),
+        _rules(batch=("data", "depth"), embed="col", **_TP3D),
+        description="AxoNN 3D tensor (col x row x depth) x data: 4D; any of the four axes may be absent",
+        collectives="per projection: AG of weights over depth, AR over col / row fwd and bwd; dW RS over depth,"
+        " AR over data",
+    )
+)

@@ -145,7 +145,8 @@ class TrainStep:
         return self._eval(params, batch)
 
     def _loss(self, params: dict[str, Any], batch: Batch, rules: dict[str, Any] | None = None) -> jax.Array:
-        with use_rules(self.mesh, rules or self.bound.compute_rules, attention=self.strategy.attention):
+        rules = rules or self.bound.compute_rules
+        with use_rules(self.mesh, rules, attention=self.strategy.attention, layers=self.strategy.layers):
             extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
             logits = nnx.merge(self.graphdef, params)(batch["inputs"], **extra)
             return cross_entropy(logits, batch["targets"])
