@@ -1,10 +1,11 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
-from shardkit import attention, checkpoint, collectives, costmodel, layers, tensor3d
+from shardkit import attention, checkpoint, collectives, costmodel, inspect, layers, tensor3d
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.errors import ShardkitError
 from shardkit.init import abstract_model, param_logical_axes, param_shardings, sharded_init
+from shardkit.inspect import explain
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
 from shardkit.rules import constrain, logical_to_spec, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
@@ -27,6 +28,8 @@ __all__ = [
     "collectives",
     "constrain",
     "costmodel",
+    "explain",
+    "inspect",
     "layers",
     "load_preset",
     "logical_to_spec",

@@ -1,10 +1,34 @@
 """Attention kernels behind one entry point, `attend`, which the active strategy dispatches.
 
 Models call `attend(q, k, v, causal=..., segment_ids=...)`; the strategy's `attention` field (set by the train
-step via `shardkit.rules.use_rules`) picks the kernel. Today: "dense". The context-parallel kernels (ring,
-Ulysses, USP) register here under their names.
+step via `shardkit.rules.use_rules`) picks the kernel by name:
+
+    "dense"                                   jax.nn.dot_product_attention (the reference)
+    "ring:contiguous" | "ring:zigzag" | "ring:striped"    ring attention over mesh axis "seq" (ring.py)
+    "ulysses"                                 DeepSpeed-Ulysses all-to-all over "seq" (ulysses.py)
+    "usp:contiguous" | "usp:zigzag" | "usp:striped"       Ulysses over "seq_u" x ring over "seq_r" (usp.py)
+
+The context-parallel kernels are also plain functions (`ring_attention`, …) usable without Flax; data for a
+ring must be in its layout (`to_layout`, or `layout_batch` for a training batch).
 """
 
 from shardkit.attention.dense import attend, dense_attention, register_attention
+from shardkit.attention.layouts import LAYOUTS, from_layout, layout_batch, layout_perm, strategy_layout, to_layout
+from shardkit.attention.ring import ring_attention
+from shardkit.attention.ulysses import ulysses_attention
+from shardkit.attention.usp import usp_attention
 
-__all__ = ["attend", "dense_attention", "register_attention"]
+__all__ = [
+    "LAYOUTS",
+    "attend",
+    "dense_attention",
+    "from_layout",
+    "layout_batch",
+    "layout_perm",
+    "register_attention",
+    "ring_attention",
+    "strategy_layout",
+    "to_layout",
+    "ulysses_attention",
+    "usp_attention",
+]

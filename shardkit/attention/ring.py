@@ -1,0 +1,367 @@
+"""Ring attention (Liu, Zaharia, Abbeel 2310.01889) as a `shard_map` kernel with a flash-style custom VJP.
+
+Rank r of the ring holds the query, key and value block of c = S/N tokens in a layout (layouts.py). Step t
+attends its queries to the key/value block that started on rank (r - t) mod N while that block travels on
+with `ppermute` (ALGORITHMS.md §3). Scores are never materialised beyond one [chunk_q, chunk_k] pair: the
+per-device work is a scan over query chunks and key chunks with the online softmax (Milakov & Gimelshein
+1805.02867; FlashAttention, Dao et al. 2205.14135):
+
+    m' = max(m, rowmax S),  P = exp(S - m'),  l <- e^(m-m') l + rowsum P,  O <- e^(m-m') O + P V
+
+A chunk pair whose every key lies after every query (causal) is skipped by `lax.switch`: the compiled program
+branches around it, so the contiguous layout really idles and zigzag / striped really balance; a pair whose
+every key precedes every query runs without the mask. The backward
+pass recomputes P = exp(S - lse) from the saved log-sum-exp, rotates K, V with their dK, dV accumulators
+(N rotations bring dK, dV home) and keeps dQ local. Grouped-query attention: only the kv heads travel.
+Segment ids (packed documents) travel with their keys. Positions for the causal mask come from the layout
+formula, never from the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from shardkit.attention.dense import register_attention
+from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
+from shardkit.errors import ShardkitError
+from shardkit.rules import ShardingContext
+
+DEFAULT_CHUNK = 512
+# The kernels are correct under check_vma=True (tested), but the train step's microbatch loop vmaps the loss
+# with spmd_axis_name, and batching a shard_map then adds the batch axes to only some values' varying axes
+# ("mul requires varying manual axes to match", jax 0.10-0.12); nothing here relies on replication checks.
+CHECK_VMA = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Static choices of one kernel call (hashable: it is the custom_vjp's non-differentiable argument)."""
+
+    axis: str | None  # ring mesh axis (None: no ring, one device's full sequence, as inside Ulysses)
+    n: int  # ring size
+    layout: str
+    causal: bool
+    chunk_q: int
+    chunk_k: int
+
+
+def _chunks(x: Any, size: int) -> Any:
+    """[b, c, ...] -> [c/size, b, size, ...] (None passes through)."""
+    if x is None:
+        return None
+    b, c = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, c // size, size, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(x: jax.Array) -> jax.Array:
+    """[c/size, b, size, ...] -> [b, c, ...]."""
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _q_major(x: jax.Array, kv: int, size: int) -> jax.Array:
+    """[b, c, heads, d] -> [c/size, b, kv, heads/kv, size, d]: chunks, heads-major so no dot transposes them."""
+    return jnp.moveaxis(_chunks(_group(x, kv), size), 2, 4)
+
+
+def _q_back(x: jax.Array) -> jax.Array:
+    """[c/size, b, kv, g, size, d] -> [b, c, kv * g, d]."""
+    x = _unchunk(jnp.moveaxis(x, 4, 2))
+    return x.reshape(*x.shape[:2], x.shape[2] * x.shape[3], x.shape[4])
+
+
+def _kv_major(x: jax.Array, size: int) -> jax.Array:
+    """[b, c, kv, d] -> [c/size, b, kv, size, d]."""
+    return jnp.moveaxis(_chunks(x, size), 2, 3)
+
+
+def _kv_back(x: jax.Array) -> jax.Array:
+    """[c/size, b, kv, size, d] -> [b, c, kv, d]."""
+    return _unchunk(jnp.moveaxis(x, 3, 2))
+
+
+def _mask(qpos: jax.Array, kpos: jax.Array, qseg: Any, kseg: Any, causal: bool) -> jax.Array | None:
+    """bool[b or 1, 1, 1, cq, ck]: which scores of one chunk pair are kept (None: all)."""
+    mask = (qpos[:, None] >= kpos[None, :])[None] if causal else None
+    if qseg is not None:
+        seg = qseg[:, :, None] == kseg[:, None, :]
+        mask = seg if mask is None else mask & seg
+    return None if mask is None else mask[:, None, None]
+
+
+def _scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """q [b, kv, g, cq, d] (pre-scaled), k [b, kv, ck, d] -> masked fp32 scores [b, kv, g, cq, ck]."""
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _dispatch(cfg: RingConfig, qpos: jax.Array, kpos: jax.Array, fn: Any, carry: Any, *args: Any) -> Any:
+    """fn(carry, *args, causal=...) for one chunk pair, doing only the work the causal mask leaves.
+
+    Fully masked (every key after every query): skipped, the carry passes through. Fully visible: computed
+    without the causal mask (no per-score compare and select). Otherwise: computed with it.
+    """
+    if not cfg.causal:
+        return fn(carry, *args, causal=False)
+    case = (qpos.max() >= kpos.min()).astype(jnp.int32) + (qpos.min() >= kpos.max()).astype(jnp.int32)
+    branches = [lambda c, *_: c, functools.partial(fn, causal=True), functools.partial(fn, causal=False)]
+    return lax.switch(case, branches, carry, *args)
+
+
+def _block_fwd(cfg: RingConfig, state: tuple, qc: tuple, kc: tuple) -> tuple:
+    """One query block x one key block, chunk by chunk: state (o, m, l) stacked over query chunks."""
+
+    def pair(carry: tuple, q, qpos, qseg, k, v, kpos, kseg, *, causal: bool) -> tuple:
+        o, m, ell = carry
+        s = _scores(q, k, _mask(qpos, kpos, qseg, kseg, causal))
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet stay at 0
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return alpha[..., None] * o + pv, m_new, alpha * ell + p.sum(-1)
+
+    def over_q(_: None, xs: tuple) -> tuple:
+        q, qpos, qseg, o, m, ell = xs
+
+        def over_k(carry: tuple, ys: tuple) -> tuple:
+            k, v, kpos, kseg = ys
+            return _dispatch(cfg, qpos, kpos, pair, carry, q, qpos, qseg, k, v, kpos, kseg), None
+
+        return None, lax.scan(over_k, (o, m, ell), kc)[0]
+
+    return lax.scan(over_q, None, (*qc, *state))[1]
+
+
+def _block_bwd(cfg: RingConfig, dq: jax.Array, dkv: tuple, qc: tuple, kc: tuple) -> tuple:
+    """Gradient contributions of one query block x one key block; dq stacked over query chunks, dk, dv over keys."""
+
+    def pair(carry: tuple, q, do, lse, delta, qpos, qseg, k, v, kpos, kseg, *, causal: bool) -> tuple:
+        dk, dv, dq_i = carry
+        p = jnp.exp(_scores(q, k, _mask(qpos, kpos, qseg, kseg, causal)) - lse[..., None])
+        dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p, do, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgqd,bksd->bkgqs", do, v, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., None])
+        dq_i = dq_i + jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=jnp.float32)
+        dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, q, preferred_element_type=jnp.float32)
+        return dk, dv, dq_i
+
+    def over_k(dq: jax.Array, ys: tuple) -> tuple:
+        k, v, kpos, kseg, dk, dv = ys
+
+        def over_q(carry: tuple, xs: tuple) -> tuple:
+            q, do, lse, delta, qpos, qseg, dq_i = xs
+            args = (q, do, lse, delta, qpos, qseg, k, v, kpos, kseg)
+            dk, dv, dq_i = _dispatch(cfg, qpos, kpos, pair, (*carry, dq_i), *args)
+            return (dk, dv), dq_i
+
+        (dk, dv), dq = lax.scan(over_q, (dk, dv), (*qc, dq))
+        return dq, (dk, dv)
+
+    return lax.scan(over_k, dq, (*kc, *dkv))
+
+
+def _ring_loop(cfg: RingConfig, step: Any, travelling: tuple, carry: Any, returning: int = 0) -> Any:
+    """Runs step(t, travelling, carry) for t = 0..N-1, passing `travelling` to rank r+1 between steps.
+
+    The next block is sent before this step's compute so that the transfer can overlap it; the trailing
+    `returning` entries of `travelling` (dK, dV) are updated by `step` and take one more hop home at the end.
+    """
+    perm = [(i, (i + 1) % cfg.n) for i in range(cfg.n)]
+    send = lambda x: lax.ppermute(x, cfg.axis, perm) if x else x
+    if cfg.n > 1:
+
+        def body(t: jax.Array, state: tuple) -> tuple:
+            travelling, carry = state
+            ahead = send(travelling[: len(travelling) - returning])
+            back, carry = step(t, travelling, carry)
+            return (*ahead, *send(back)), carry
+
+        travelling, carry = lax.fori_loop(0, cfg.n - 1, body, (travelling, carry))
+    back, carry = step(cfg.n - 1, travelling, carry)
+    return (send(back) if cfg.n > 1 else back), carry
+
+
+def _prepare(cfg: RingConfig, q: jax.Array) -> tuple:
+    """(rank, global positions of the local query block, softmax scale 1/sqrt(d))."""
+    c, d = q.shape[1], q.shape[3]
+    rank = lax.axis_index(cfg.axis) if cfg.axis is not None and cfg.n > 1 else 0
+    qpos = block_positions(cfg.layout, cfg.n, rank, c)
+    return rank, qpos, (1.0 / math.sqrt(d))
+
+
+def _group(x: jax.Array, kv: int) -> jax.Array:
+    """[b, c, heads, d] -> [b, c, kv, heads/kv, d] (query heads of one kv head side by side)."""
+    return x.reshape(*x.shape[:2], kv, x.shape[2] // kv, x.shape[3])
+
+
+def _forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tuple:
+    rank, qpos, scale = _prepare(cfg, q)
+    b, c, h, d = q.shape
+    kv, cq, ck = k.shape[2], cfg.chunk_q, cfg.chunk_k
+    qc = (_q_major(q * jnp.asarray(scale, q.dtype), kv, cq), _chunks(qpos[None], cq)[:, 0], _chunks(seg, cq))
+    stat = lax.full_like(q, 0, jnp.float32, (c // cq, b, kv, h // kv, cq))  # keeps q's varying mesh axes
+    state = (lax.full_like(q, 0, jnp.float32, (*stat.shape, d)), stat - jnp.inf, stat)
+
+    def step(t: jax.Array, travelling: tuple, state: tuple) -> tuple:
+        kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
+        k, v, kseg = travelling
+        return (), _block_fwd(cfg, state, qc, (k, v, kpos, kseg))
+
+    # K, V travel chunked and heads-major ([c/ck, b, kv, ck, d]): laid out once, never transposed per pair.
+    _, (o, m, ell) = _ring_loop(cfg, step, (_kv_major(k, ck), _kv_major(v, ck), _chunks(seg, ck)), state)
+    return _q_back(o / ell[..., None]).astype(q.dtype), m + jnp.log(ell)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ring_local(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> jax.Array:
+    """Per-device body: q [b, c, heads, d], k, v [b, c, kv_heads, d], seg [b, c] | None -> [b, c, heads, d]."""
+    return _forward(cfg, q, k, v, seg)[0]
+
+
+def _ring_fwd(cfg: RingConfig, q, k, v, seg) -> tuple:
+    o, lse = _forward(cfg, q, k, v, seg)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
+    q, k, v, seg, o, lse = res
+    rank, qpos, scale = _prepare(cfg, q)
+    c, kv, cq, ck = q.shape[1], k.shape[2], cfg.chunk_q, cfg.chunk_k
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1, keepdims=True)  # D = rowsum(dO * O)
+    qc = (_q_major(q * jnp.asarray(scale, q.dtype), kv, cq), _q_major(do, kv, cq), lse, _q_major(delta, kv, cq)[..., 0])
+    qc = (*qc, _chunks(qpos[None], cq)[:, 0], _chunks(seg, cq))
+    kh, vh = _kv_major(k, ck), _kv_major(v, ck)
+    zeros_kv = lax.full_like(kh, 0, jnp.float32)
+
+    def step(t: jax.Array, travelling: tuple, dq: jax.Array) -> tuple:
+        kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
+        k, v, kseg, dk, dv = travelling
+        dq, (dk, dv) = _block_bwd(cfg, dq, (dk, dv), qc, (k, v, kpos, kseg))
+        return (dk, dv), dq
+
+    dq0 = lax.full_like(q, 0, jnp.float32, qc[0].shape)
+    (dk, dv), dq = _ring_loop(cfg, step, (kh, vh, _chunks(seg, ck), zeros_kv, zeros_kv), dq0, returning=2)
+    dq = (_q_back(dq) * scale).astype(q.dtype)
+    return dq, _kv_back(dk).astype(k.dtype), _kv_back(dv).astype(v.dtype), None  # dk has the scale via q
+
+
+ring_local.defvjp(_ring_fwd, _ring_bwd)
+
+
+def chunk_size(c: int, want: int, layout: str, n: int) -> int:
+    """The largest divisor of the block (of its half for zigzag, so chunks never straddle halves) <= want."""
+    unit = c // 2 if layout == "zigzag" and n > 1 else c
+    return max(s for s in range(1, min(want, unit) + 1) if unit % s == 0)
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Any, what: str) -> None:
+    """Shapes: q [b, s, heads, d], k = v [b, s, kv_heads, d] with heads % kv_heads == 0, segment_ids [b, s]."""
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[:2], q.shape[3]) != (k.shape[:2], k.shape[3]):
+        raise ShardkitError(
+            f"{what}: q {q.shape}, k {k.shape}, v {v.shape} must be [batch, seq, heads, head_dim] with k and v "
+            "equal and [batch, seq, kv_heads, head_dim]"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ShardkitError(f"{what}: query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
+    if segment_ids is not None and tuple(segment_ids.shape) != q.shape[:2]:
+        raise ShardkitError(
+            f"{what}: segment_ids shape {tuple(segment_ids.shape)} must be [batch, seq] = {q.shape[:2]}; "
+            "give one document id per token (int32)"
+        )
+
+
+def check_axis(mesh: Mesh, axis: str, what: str) -> int:
+    if axis not in mesh.shape:
+        raise ShardkitError(
+            f"{what}: mesh axis {axis!r} is not in the mesh {dict(mesh.shape)}; add it (e.g. "
+            f"sk.make_mesh('{axis}={len(mesh.devices.flat)}')) or pass the axis that shards the sequence"
+        )
+    return mesh.shape[axis]
+
+
+def spec_entry(axes: Any) -> Any:
+    """('data',) -> 'data', ('data', 'fsdp') -> ('data', 'fsdp'), None / () -> None."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str = "seq",
+    causal: bool = True,
+    layout: str = "contiguous",
+    segment_ids: jax.Array | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    batch_axes: Any = None,
+    head_axes: Any = None,
+) -> jax.Array:
+    """[b, S, heads, d], [b, S, kv_heads, d] x 2 sharded on S over `axis`, in `layout` -> [b, S, heads, d].
+
+    `batch_axes` / `head_axes` (optional) are mesh axes already sharding the batch / heads dimensions (set by
+    `attend` from the strategy's compute rules); K, V heads then shard like the query heads.
+    """
+    check_qkv(q, k, v, segment_ids, "ring_attention")
+    n = check_axis(mesh, axis, "ring_attention")
+    check_layout(layout, q.shape[1], n)
+    c = q.shape[1] // n
+    cq = chunk_size(c, chunk, layout, n)
+    cfg = RingConfig(axis, n, layout, causal, cq, cq)
+    spec = PartitionSpec(spec_entry(batch_axes), axis, spec_entry(head_axes))
+    seg_spec = PartitionSpec(spec_entry(batch_axes), axis)
+    fn = jax.shard_map(
+        functools.partial(ring_local, cfg),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, None if segment_ids is None else seg_spec),
+        out_specs=spec,
+        check_vma=CHECK_VMA,
+    )
+    return fn(q, k, v, segment_ids)
+
+
+def context_axes(context: ShardingContext | None, seq: tuple[str, ...], kernel: str) -> tuple[Mesh, Any, Any]:
+    """(mesh, batch axes, head axes) from the compute rules, which must shard `seq` over exactly `seq`."""
+    if context is None:
+        raise ShardkitError(f"attention {kernel!r} runs inside a train step (sk.use_rules); call it directly instead")
+    got = tuple(context.rules.get("seq") or ())
+    if got != seq:
+        raise ShardkitError(
+            f"attention {kernel!r} needs the compute rule seq: {seq} but the strategy has seq: {got or None}; "
+            f"map 'seq' (and 'res_seq') to {seq} in the strategy's compute rules"
+        )
+    return context.mesh, context.rules.get("batch"), context.rules.get("heads")
+
+
+def match_kv_heads(k: jax.Array, v: jax.Array, heads: int, context: ShardingContext) -> tuple[jax.Array, jax.Array]:
+    """Repeats K, V to `heads` heads when the strategy shards kv_heads unlike heads (e.g. kv_heads replicated)."""
+    if context.rules.get("heads") == context.rules.get("kv_heads"):
+        return k, v
+    g = heads // k.shape[2]
+    return jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+
+
+def _ring_from_context(layout: str) -> Any:
+    def kernel(q, k, v, *, causal: bool, segment_ids: Any, context: ShardingContext | None) -> jax.Array:
+        mesh, batch_axes, head_axes = context_axes(context, ("seq",), f"ring:{layout}")
+        k, v = match_kv_heads(k, v, q.shape[2], context)
+        return ring_attention(
+            q, k, v, mesh=mesh, axis="seq", causal=causal, layout=layout, segment_ids=segment_ids,
+            batch_axes=batch_axes, head_axes=head_axes,
+        )  # fmt: skip
+
+    return kernel
+
+
+for _layout in LAYOUTS:
+    register_attention(f"ring:{_layout}", _ring_from_context(_layout))
