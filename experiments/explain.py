@@ -1,0 +1,119 @@
+"""Explain a training plan without training: collectives per mesh axis and memory per device, vs the cost model.
+
+    python -m experiments.explain --config=experiments/configs/gpt_tiny.py --config.strategy=fsdp_tp \
+        --config.mesh="data=2,fsdp=2,tensor=2" [--json=report.json] [--plot=report.png]
+    python -m experiments.explain --config=experiments/configs/gpt_7b.py --config.mesh="data=4,fsdp=8,tensor=8"
+
+Takes the same config files and `--config.x` flags as `experiments.train`, but reads no data and allocates no
+parameters: the train step is built from the abstract model and compiled for ShapeDtypeStructs that carry their
+shardings. A mesh larger than this machine (a 256-device plan on a laptop) cannot be compiled here: it says so,
+compiles on the largest mesh with the same axis proportions that fits (else with the largest axes halved), and
+prints the figures scaled to the requested mesh, labelled SCALED (method in shardkit/inspect.py).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import app, flags, logging
+
+import shardkit as sk
+from experiments import data
+from experiments import train as tr  # sets XLA_FLAGS (virtual CPU devices) before jax is imported
+from models.gpt import GPT
+from shardkit.inspect import Report, explain
+from shardkit.mesh import parse_spec, resolve_axes
+
+_JSON = flags.DEFINE_string("json", "", "also write the report as JSON to this path")
+_PLOT = flags.DEFINE_string("plot", "", "also write a PNG bar chart to this path")
+
+
+def target_axes(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """The plan's mesh: `config.mesh` ("axis=n,..." or a preset name; "" = the hardware preset's mesh)."""
+    spec = config.mesh
+    if not spec:
+        preset = tr.resolve_preset(config.hardware)
+        if preset is None:
+            raise sk.ShardkitError(
+                "config.mesh is empty and config.hardware='auto' matched no preset; give --config.mesh"
+            )
+        return dict(preset.axes)
+    if spec.strip().replace("-", "_").isidentifier():
+        return dict(sk.load_preset(spec.strip()).axes)
+    axes = parse_spec(spec)
+    return resolve_axes(axes, num_devices) if -1 in axes.values() else {a: int(n) for a, n in axes.items()}
+
+
+def fit_mesh(axes: dict[str, int], num_devices: int) -> tuple[dict[str, int], str]:
+    """The largest mesh of at most `num_devices` with the same axis proportions (axes / k, k | every degree > 1);
+    failing that, the largest axes halved until it fits. Returns (mesh, how)."""
+    if math.prod(axes.values()) <= num_devices:
+        return dict(axes), "as requested"
+    g = math.gcd(*[n for n in axes.values() if n > 1])
+    for k in range(2, g + 1):
+        cand = {a: n // k if n > 1 else 1 for a, n in axes.items()}
+        if g % k == 0 and math.prod(cand.values()) <= num_devices:
+            return cand, f"same proportions: every axis / {k}"
+    cand = dict(axes)
+    while math.prod(cand.values()) > num_devices:
+        a = max(cand, key=cand.get)
+        cand[a] //= next(p for p in range(2, cand[a] + 1) if cand[a] % p == 0)
+    return cand, "proportions NOT kept (no common factor fits): the largest axes divided until it fits"
+
+
+def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
+    """(report, header) for the plan `config` describes; no data read, no parameter allocated."""
+    for key in ("batch_size", "seq_len", "microbatches"):
+        if config[key] < 1:
+            raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
+    if config.data.path and not config.model.vocab_size:
+        raise sk.ShardkitError("explain reads no data: with data.path set, give --config.model.vocab_size")
+    strategy = sk.strategy(config.strategy)
+    n_here = jax.device_count()
+    target = target_axes(config, n_here)
+    built, how = fit_mesh(target, n_here)
+    mesh = sk.make_mesh(built, jax.devices()[: math.prod(built.values())])
+    strategy.bind(mesh)
+    model_cfg = tr.model_config(config, data.VOCAB_SIZE)
+    tx, _ = tr.make_optimizer(config.optimizer, max(config.steps, config.optimizer.warmup_steps + 1))
+    abstract = sk.abstract_model(lambda rngs: GPT(model_cfg, rngs=rngs), config.seed)
+    step = sk.make_train_step(abstract, tx, mesh, strategy, microbatches=config.microbatches)
+    tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=step.batch_sharding)
+    scaled = built != target
+    report = explain(step, step.abstract_state(), {"inputs": tokens, "targets": tokens}, model_cfg=model_cfg,
+                     target_mesh=target if scaled else None)  # fmt: skip
+    grid = lambda m: ",".join(f"{a}={n}" for a, n in m.items())
+    header = (f"{config.config_name}: {model_cfg.num_params() / 1e6:.2f}M parameters, {config.strategy}, "
+              f"mesh {grid(target)} ({math.prod(target.values())} devices)")  # fmt: skip
+    if scaled:
+        header += (f"\nthis machine has {n_here} {jax.devices()[0].platform} devices, fewer than the plan's "
+                   f"{math.prod(target.values())}: XLA cannot compile for devices it lacks, so the step is compiled on "
+                   f"{grid(built)} ({how}) and the figures marked SCALED are estimates for {grid(target)}")  # fmt: skip
+    return report, header
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    try:
+        report, header = explain_config(tr._CONFIG.value)
+    except sk.ShardkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(header)
+    print(report.text())
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            f.write(report.to_json())
+        print(f"wrote {_JSON.value}")
+    if _PLOT.value:
+        print(f"wrote {report.plot(_PLOT.value)}")
+
+
+if __name__ == "__main__":
+    app.run(main)

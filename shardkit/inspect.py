@@ -1,0 +1,306 @@
+"""What a compiled train step really costs: collectives per mesh axis and memory per device, next to the model.
+
+    report = sk.explain(step, state, batch)        # state / batch may be ShapeDtypeStructs: nothing is allocated
+    print(report.text()); report.to_json(); report.plot("explain.png")
+
+Collectives come from the partitioned HLO (`shardkit.hlo.collectives`: replica groups mapped back to mesh axes,
+loop bodies multiplied by their trip counts, ring bytes sent per device). Memory comes from
+`compiled.memory_analysis()`, with parameters and optimizer state split out from the state's shardings.
+Predictions: `shardkit.costmodel` for the strategies it models (dp, fsdp, tp, tp_sp, tp3d); for fsdp_tp,
+dp_fsdp_tp and zero1 the closed forms of ALGORITHMS.md §1–2 composed from the same formulas; else none.
+
+A plan for a mesh larger than the machine is explained on a smaller mesh (`explain(..., target_mesh=...)`,
+see experiments/explain.py) and its figures scaled: parameters and optimizer state exactly from the shardings'
+specs, collectives by the model's target/built ratio per (kind, axis) (the ring factor where the model is
+silent), temporaries by the per-device token ratio. Scaled figures are labelled as such everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardkit import costmodel, hlo
+
+_COSTMODEL = ("dp", "fsdp", "tp", "tp_sp", "tp3d")
+_MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
+_PRED_OF = {"parameters": ("params",), "optimizer_state": ("optimizer",), "temporaries": ("grads", "activations"),
+            "outputs": ("params", "optimizer")}  # fmt: skip
+
+
+def _h(n: float | None) -> str:
+    if n is None:
+        return "-"
+    return next(
+        f"{n / 1024**i:.4g} {u}"
+        for i, u in ((3, "GiB"), (2, "MiB"), (1, "KiB"), (0, "B"))
+        if abs(n) >= 1024**i or i == 0
+    )
+
+
+def predict(
+    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int, backend: str
+) -> tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], str] | None:
+    """(kind, axis) -> (count, bytes per device), memory per device, and the source; None if nothing models it."""
+    # tp3d under the GSPMD rules (strategies.py): its depth reduce-scatter is GSPMD's, an all-reduce on CPU
+    sc = lambda s: costmodel.strategy_comms(s, cfg, mesh, global_batch, seq_len, nbytes, backend, gspmd=s == "tp3d")
+    mem = lambda s: costmodel.memory(s, cfg, mesh, global_batch, seq_len, nbytes)
+    if strategy in _COSTMODEL:
+        comms, memory, source = sc(strategy), mem(strategy), f"shardkit.costmodel ({strategy}, backend {backend})"
+    elif strategy in ("fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp of the 1/t Megatron shard + Megatron over tensor
+        comms = sc("fsdp") + [c for c in sc("tp") if c.axis == "tensor"]
+        f = mesh.get("fsdp", 1)
+        memory = {k: v / (f if k in ("params", "grads", "optimizer") else 1) for k, v in mem("tp").items()}
+        source = f"closed form, ALGORITHMS.md §1–2: fsdp over 'fsdp' + Megatron over 'tensor' (backend {backend})"
+    elif strategy == "zero1":  # gradient all-reduce, optimizer state sharded over data, parameter all-gather
+        d, psi = mesh.get("data", 1), costmodel.num_params(cfg)
+        comms = [c for c in sc("dp")]
+        if d > 1:
+            comms.append(
+                costmodel.Comm("all-gather", "data", d, 1, 1, costmodel.ring_factor("all-gather", d) * psi * nbytes)
+            )
+        memory = dict(mem("dp"), optimizer=mem("dp")["optimizer"] / d)
+        source = f"closed form, ALGORITHMS.md §1–2: ZeRO-1 over 'data' (backend {backend})"
+    else:
+        return None
+    memory = {k: v for k, v in memory.items() if k != "total"}
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for c in comms:
+        n, b = out.get((c.kind, c.axis), (0, 0.0))
+        out[c.kind, c.axis] = (n + c.count, b + c.bytes)
+    return out, memory, source
+
+
+def _shard_bytes(shape: tuple[int, ...], dtype: Any, spec: Any, sizes: dict[str, int]) -> int:
+    """Bytes of one device's shard of an array of `shape` partitioned by `spec` over axes of `sizes`."""
+    dims = list(shape)
+    for i, entry in enumerate(tuple(spec)[: len(dims)]):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        dims[i] = -(-dims[i] // math.prod(sizes.get(a, 1) for a in axes))
+    return math.prod(dims) * np.dtype(dtype).itemsize
+
+
+def _tree_bytes(tree: Any, shardings: Any, sizes: dict[str, int]) -> int:
+    leaves, shs = jax.tree.leaves(tree), jax.tree.leaves(shardings)
+    return sum(_shard_bytes(x.shape, x.dtype, s.spec, sizes) for x, s in zip(leaves, shs, strict=True))
+
+
+@dataclasses.dataclass
+class Report:
+    """The explanation of one compiled step; `scaled` is set when the plan's mesh was larger than the machine."""
+
+    strategy: str
+    mesh: dict[str, int]  # the mesh compiled on
+    platform: str
+    batch: tuple[int, int]
+    collectives: list[hlo.Collective]
+    memory: dict[str, int]  # per device, from memory_analysis() and the state shardings
+    predicted_comms: dict[tuple[str, str], tuple[int, float]] | None = None
+    predicted_memory: dict[str, float] | None = None
+    prediction_source: str = "no prediction (strategy not modelled, or no model config)"
+    scaled: dict[str, Any] | None = None  # target_mesh, collectives, memory, predictions on the target
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per (kind, mesh axes): measured count / bytes, predicted, and scaled figures when present."""
+        pred, measured = self.predicted_comms or {}, hlo.summarize(self.collectives)
+        keys = list(measured) + [(k, (a,)) for k, a in pred if (k, (a,)) not in measured]
+        out = []
+        for kind, axes in keys:
+            m = measured.get((kind, axes), {"count": 0, "bytes_sent": 0.0})
+            p = pred.get((kind, axes[0])) if len(axes) == 1 else None
+            row = dict(kind=kind, axes=list(axes), count=m["count"], bytes_sent=m["bytes_sent"])
+            row.update(predicted_count=p[0] if p else None, predicted_bytes=p[1] if p else None)
+            if self.scaled:
+                row.update(self.scaled["collectives"].get(f"{kind}|{','.join(axes)}", {}))
+            out.append(row)
+        return out
+
+    def memory_rows(self) -> list[dict[str, Any]]:
+        pm, out = self.predicted_memory, []
+        for name in (*_MEM_ROWS, "peak"):
+            pred = sum(pm.get(k, 0.0) for k in _PRED_OF[name]) if pm and name in _PRED_OF else None
+            row = dict(name=name, compiled=self.memory[name], predicted=pred)
+            if self.scaled:
+                row.update(
+                    scaled=self.scaled["memory"].get(name), predicted_target=self.scaled["predicted_memory"].get(name)
+                )
+            out.append(row)
+        return out
+
+    def text(self) -> str:
+        grid = ",".join(f"{a}={n}" for a, n in self.mesh.items())
+        n_dev = math.prod(self.mesh.values())
+        lines = [f"shardkit explain: {self.strategy} on mesh {grid} ({n_dev} x {self.platform}), "
+                 f"batch {self.batch[0]} x {self.batch[1]}"]  # fmt: skip
+        sc = self.scaled
+        if sc:
+            tgrid = ",".join(f"{a}={n}" for a, n in sc["target_mesh"].items())
+            n_target = math.prod(sc["target_mesh"].values())
+            lines += [f"SCALED: the plan's mesh {tgrid} ({n_target} devices) is larger than this machine; "
+                      f"compiled on {grid} and scaled ({sc['method']})"]  # fmt: skip
+        lines += [
+            "",
+            f"collectives per step, bytes sent per device (ring volume); prediction: {self.prediction_source}",
+        ]
+        head = f"{'kind':<18} {'axes':<16} {'count':>6} {'sent':>10} {'pred #':>7} {'predicted':>10}"
+        head += f" | {'SCALED sent':>11} {'pred target':>11}" if sc else ""
+        lines += [head, "-" * len(head)]
+        for r in self.rows():
+            pc = "-" if r["predicted_count"] is None else str(r["predicted_count"])
+            line = f"{r['kind']:<18} {','.join(r['axes']) or '-':<16} {r['count']:>6} {_h(r['bytes_sent']):>10} {pc:>7}"
+            line += f" {_h(r['predicted_bytes']):>10}"
+            if sc:
+                line += f" | {_h(r.get('scaled_bytes')):>11} {_h(r.get('predicted_target_bytes')):>11}"
+            lines.append(line)
+        tot = sum(c.bytes_sent for c in self.collectives)
+        ptot = sum(b for _, b in (self.predicted_comms or {}).values()) if self.predicted_comms else None
+        line = (
+            f"{'total':<18} {'':<16} {sum(c.count for c in self.collectives):>6} {_h(tot):>10} {'':>7} {_h(ptot):>10}"
+        )
+        if sc:
+            line += f" | {_h(sum(r.get('scaled_bytes') or 0 for r in self.rows())):>11} {_h(sc['predicted_total']):>11}"
+        lines += [line, "", "memory per device (compiled: memory_analysis(); parameters / optimizer state: shardings)"]
+        head = f"{'':<16} {'compiled':>10} {'predicted':>10}" + (f" | {'SCALED':>10} {'pred target':>11}" if sc else "")
+        lines += [head, "-" * len(head)]
+        for r in self.memory_rows():
+            line = f"{r['name']:<16} {_h(r['compiled']):>10} {_h(r['predicted']):>10}"
+            lines.append(line + (f" | {_h(r['scaled']):>10} {_h(r['predicted_target']):>11}" if sc else ""))
+        lines += [
+            "  (predicted: temporaries = gradients + activations, outputs = new parameters + optimizer state;",
+            "   peak = arguments + outputs - aliased + temporaries)",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            strategy=self.strategy, mesh=dict(self.mesh), platform=self.platform, batch=list(self.batch),
+            collectives=self.rows(), collectives_detail=[dataclasses.asdict(c) for c in self.collectives],
+            memory=dict(self.memory), memory_rows=self.memory_rows(), predicted_memory=self.predicted_memory,
+            prediction_source=self.prediction_source, scaled=self.scaled, notes=list(self.notes),
+        )  # fmt: skip
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **{"indent": 2, **kw})
+
+    def plot(self, path: str) -> str:
+        """A PNG: bytes sent per (kind, axes) and memory per device, compiled next to predicted (and scaled)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+        rows, w = self.rows(), 0.4
+        x = np.arange(len(rows))
+        a1.bar(x - w / 2, [r["bytes_sent"] / 2**20 for r in rows], w, label="compiled (HLO)")
+        a1.bar(x + w / 2, [(r["predicted_bytes"] or 0) / 2**20 for r in rows], w, label="predicted")
+        a1.set_xticks(x, [f"{r['kind']}\n{','.join(r['axes']) or '-'}" for r in rows], fontsize=7)
+        a1.set_ylabel("MiB sent per device per step")
+        a1.set_title(f"collectives: {self.strategy} on {','.join(f'{a}={n}' for a, n in self.mesh.items())}")
+        a1.legend(fontsize=8)
+        mrows = self.memory_rows()
+        x = np.arange(len(mrows))
+        a2.bar(x - w / 2, [r["compiled"] / 2**20 for r in mrows], w, label="compiled")
+        a2.bar(x + w / 2, [(r["predicted"] or 0) / 2**20 for r in mrows], w, label="predicted")
+        a2.set_xticks(x, [r["name"] for r in mrows], fontsize=8)
+        a2.set_ylabel("MiB per device")
+        a2.set_title("memory per device" + (" (compiled mesh; see text for SCALED)" if self.scaled else ""))
+        a2.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def explain(
+    step: Any, state: Any, batch: dict[str, Any], *, model_cfg: Any = None, target_mesh: dict[str, int] | None = None
+) -> Report:
+    """Compiles `step` for (state, batch) — concrete arrays or ShapeDtypeStructs — and explains it.
+
+    `model_cfg`: a GPTConfig-like object for the predictions (default: the step's model's `cfg`).
+    `target_mesh`: the plan's mesh when `step.mesh` is a scaled-down stand-in; adds SCALED figures.
+    """
+    compiled = step.lower(state, batch).compile()
+    mesh = step.mesh
+    sizes = dict(mesh.shape)
+    platform = mesh.devices.flat[0].platform
+    colls = hlo.collectives(compiled, mesh)
+    ma = compiled.memory_analysis()
+    get = lambda k: int(getattr(ma, k, 0) or 0)
+    params = _tree_bytes(state.params, step.param_shardings, sizes)
+    opt = _tree_bytes(state.opt_state, step.opt_shardings, sizes)
+    args, outs, alias, temp = (get(f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp"))
+    memory = dict(parameters=params, optimizer_state=opt, temporaries=temp, outputs=outs, arguments=args,
+                  aliased=alias, peak=args + outs - alias + temp)  # fmt: skip
+    b, t = batch["inputs"].shape
+    cfg = model_cfg if model_cfg is not None else getattr(getattr(step, "_model", None), "cfg", None)
+    nbytes = int(np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize)
+    backend = "cpu" if platform == "cpu" else "tpu" if platform == "tpu" else "gpu"
+    notes = []
+    if platform == "cpu" and any(w in step.strategy.name for w in ("fsdp", "sp", "zero", "tp3d")):
+        notes.append("XLA:CPU compiles GSPMD reduce-scatters as all-reduce + dynamic-slice (JAX_NOTES.md); "
+                     "the cost model's CPU backend predicts the same")  # fmt: skip
+    if getattr(step, "microbatches", 1) > 1:
+        notes.append(f"{step.microbatches} microbatches: predictions assume none (one gradient reduction per step)")
+    pred = predict(step.strategy.name, cfg, sizes, b, t, nbytes, backend) if cfg is not None else None
+    report = Report(step.strategy.name, sizes, platform, (b, t), colls, memory, notes=notes)
+    if pred:
+        report.predicted_comms, report.predicted_memory, report.prediction_source = pred
+    if target_mesh:
+        report.scaled = _scale(report, step, state, dict(target_mesh), cfg, nbytes, backend)
+    return report
+
+
+def _scale(r: Report, step: Any, state: Any, target: dict[str, int], cfg: Any, nbytes: int, backend: str) -> dict:
+    """The SCALED figures for `target` (see the module docstring for the method of each)."""
+    b, t = r.batch
+    pt = predict(r.strategy, cfg, target, b, t, nbytes, backend) if cfg is not None else None
+    p_comms, p_mem = (pt[0], pt[1]) if pt else ({}, {})
+    small = r.predicted_comms or {}
+    colls = {}
+    for kind, axes in hlo.summarize(r.collectives):
+        m = hlo.summarize(r.collectives)[kind, axes]["bytes_sent"]
+        key = (kind, axes[0]) if len(axes) == 1 else None
+        if key and key in small and key in p_comms and small[key][1] > 0:
+            factor, how = p_comms[key][1] / small[key][1], "cost model ratio"
+        else:
+            p0, p1 = (math.prod(s.get(a, 1) for a in axes) for s in (r.mesh, target))
+            f0 = costmodel.ring_factor(kind, p0)
+            factor, how = (costmodel.ring_factor(kind, p1) / f0 if f0 else 1.0), "ring factor only"
+        colls[f"{kind}|{','.join(axes)}"] = dict(
+            scaled_bytes=m * factor, scale_method=how,
+            predicted_target_bytes=p_comms[key][1] if key and key in p_comms else None,
+        )  # fmt: skip
+    batch_deg = lambda sz: math.prod(sz.get(a, 1) for a in _batch_axes(step))
+    token_ratio = batch_deg(r.mesh) / batch_deg(target)
+    params = _tree_bytes(state.params, step.param_shardings, target)
+    opt = _tree_bytes(state.opt_state, step.opt_shardings, target)
+    state_ratio = (params + opt) / max(r.memory["parameters"] + r.memory["optimizer_state"], 1)
+    mem = dict(parameters=params, optimizer_state=opt, temporaries=int(r.memory["temporaries"] * token_ratio),
+               outputs=int(r.memory["outputs"] * state_ratio))  # fmt: skip
+    m = r.memory
+    args = m["arguments"] - m["parameters"] - m["optimizer_state"] + params + opt
+    mem["peak"] = int(args + mem["outputs"] - m["aliased"] * state_ratio + mem["temporaries"])
+    pmem = {n: sum(p_mem.get(k, 0.0) for k in _PRED_OF[n]) for n in _PRED_OF} if p_mem else {}
+    return dict(
+        target_mesh=target, collectives=colls, memory=mem, predicted_memory=pmem,
+        predicted_total=sum(b for _, b in p_comms.values()) if p_comms else None,
+        method="parameters / optimizer state exact from the specs; collectives by cost-model ratio per (kind, axis), "
+        "else ring factor; temporaries by per-device tokens; same global batch",
+    )  # fmt: skip
+
+
+def _batch_axes(step: Any) -> tuple[str, ...]:
+    """Mesh axes the batch's dims (batch and sequence) are split over: the per-device token degree."""
+    entries = [e for e in tuple(step.batch_sharding.spec) if e is not None]
+    return tuple(a for e in entries for a in ((e,) if isinstance(e, str) else e))
+
+
+__all__ = ["Report", "explain", "predict"]
