@@ -241,14 +241,30 @@ def batch_offsets(
     return rng.integers(0, n_tokens - seq_len, size=batch_size, dtype=np.int64)
 
 
-def read_windows(tokens: np.ndarray, offsets: np.ndarray, col0: int, col1: int) -> Batch:
-    """Columns ``[col0, col1)`` of int32 inputs and targets of the windows at ``offsets``."""
-    idx = offsets[:, None] + np.arange(col0, col1 + 1)[None, :]
-    w = np.asarray(tokens[idx], dtype=np.int32)  # fancy index: reads only these tokens
-    return {"inputs": w[:, :-1].copy(), "targets": w[:, 1:].copy()}
+def read_windows(
+    tokens: np.ndarray, offsets: np.ndarray, col0: int, col1: int, perm: np.ndarray | None = None
+) -> Batch:
+    """Columns ``[col0, col1)`` of int32 inputs and targets of the windows at ``offsets``.
+
+    With ``perm`` (a context-parallel layout, ``sk.attention.layout_perm``) column j holds the token at window
+    position ``perm[j]``, and ``positions`` (those window positions, for RoPE) is returned too.
+    """
+    if perm is None:
+        idx = offsets[:, None] + np.arange(col0, col1 + 1)[None, :]
+        w = np.asarray(tokens[idx], dtype=np.int32)  # fancy index: reads only these tokens
+        return {"inputs": w[:, :-1].copy(), "targets": w[:, 1:].copy()}
+    cols = np.asarray(perm[col0:col1])
+    idx = offsets[:, None] + cols[None, :]
+    return {
+        "inputs": np.asarray(tokens[idx], dtype=np.int32),
+        "targets": np.asarray(tokens[idx + 1], dtype=np.int32),
+        "positions": np.broadcast_to(cols.astype(np.int32), idx.shape).copy(),
+    }
 
 
-def _to_global(tokens: np.ndarray, offsets: np.ndarray, seq_len: int, sharding: Sharding) -> Arrays:
+def _to_global(
+    tokens: np.ndarray, offsets: np.ndarray, seq_len: int, sharding: Sharding, perm: np.ndarray | None = None
+) -> Arrays:
     """Global [B, T] arrays, reading only the blocks held by this process's devices (replicated blocks once).
 
     Blocks come from ``addressable_devices_indices_map``, arrays from ``make_array_from_single_device_arrays``:
@@ -258,12 +274,12 @@ def _to_global(tokens: np.ndarray, offsets: np.ndarray, seq_len: int, sharding: 
     """
     shape = (len(offsets), seq_len)
     blocks: dict[tuple[int, ...], Batch] = {}
-    out: dict[str, list[jax.Array]] = {"inputs": [], "targets": []}
+    out: dict[str, list[jax.Array]] = {k: [] for k in ("inputs", "targets", "positions")[: 2 if perm is None else 3]}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         (r0, r1, rs), (c0, c1, cs) = (sl.indices(n) for sl, n in zip(index, shape, strict=True))
         assert rs == cs == 1, index
         if (r0, r1, c0, c1) not in blocks:
-            blocks[r0, r1, c0, c1] = read_windows(tokens, offsets[r0:r1], c0, c1)
+            blocks[r0, r1, c0, c1] = read_windows(tokens, offsets[r0:r1], c0, c1, perm)
         for k, arrays in out.items():
             arrays.append(jax.device_put(blocks[r0, r1, c0, c1][k], device))
     make = jax.make_array_from_single_device_arrays
@@ -278,15 +294,17 @@ def global_batch(
     sharding: Sharding,
     split: str = "train",
     seed: int = 0,
+    perm: np.ndarray | None = None,
 ) -> Arrays:
-    """Global batch ``step`` as sharded int32 ``[B, T]`` jax ``inputs``/``targets``.
+    """Global batch ``step`` as sharded int32 ``[B, T]`` jax ``inputs``/``targets`` (+ ``positions`` with ``perm``).
 
     Every process draws all ``B`` offsets (cheap) but reads tokens only for its own devices' rows and columns, so
-    the result equals the single-process batch whatever the process count.
+    the result equals the single-process batch whatever the process count. ``perm`` lays the sequence out for
+    context parallelism (see ``read_windows``).
     """
     tokens = ds.split(split)
     offsets = batch_offsets(len(tokens), step, global_batch_size, seq_len, seed, split)
-    return _to_global(tokens, offsets, seq_len, sharding)
+    return _to_global(tokens, offsets, seq_len, sharding, perm)
 
 
 @dataclasses.dataclass
@@ -333,7 +351,12 @@ class BatchIterator:
 
 
 def val_batches(
-    ds: TokenDataset, n_batches: int, batch_size: int, seq_len: int, sharding: Sharding | None = None
+    ds: TokenDataset,
+    n_batches: int,
+    batch_size: int,
+    seq_len: int,
+    sharding: Sharding | None = None,
+    perm: np.ndarray | None = None,
 ) -> list[Any]:
     """A fixed eval set: ``n_batches * batch_size`` windows evenly spaced over the val split.
 
@@ -345,5 +368,5 @@ def val_batches(
     offsets = np.linspace(0, n - seq_len - 1, n_batches * batch_size).round().astype(np.int64)
     offsets = offsets.reshape(n_batches, batch_size)
     if sharding is None:
-        return [read_windows(ds.val, o, 0, seq_len) for o in offsets]
-    return [_to_global(ds.val, o, seq_len, sharding) for o in offsets]
+        return [read_windows(ds.val, o, 0, seq_len, perm) for o in offsets]
+    return [_to_global(ds.val, o, seq_len, sharding, perm) for o in offsets]

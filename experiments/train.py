@@ -27,6 +27,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import signal
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import app, logging
+from absl import app, flags, logging
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 from tqdm import tqdm
@@ -56,6 +57,10 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "gpt_tiny.py"
 with warnings.catch_warnings():  # ml_collections loads config files with the deprecated importlib load_module()
     warnings.simplefilter("ignore", DeprecationWarning)
     _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "experiment config file (experiments/configs/)")
+# Several processes by hand (a cluster's launcher usually sets these for you: see init_distributed).
+_COORD = flags.DEFINE_string("coordinator_address", "", "host:port of process 0 (sets JAX_COORDINATOR_ADDRESS)")
+_NPROC = flags.DEFINE_integer("num_processes", -1, "number of processes (sets JAX_NUM_PROCESSES)")
+_PID = flags.DEFINE_integer("process_id", -1, "this process's index (sets JAX_PROCESS_ID)")
 
 
 # ------------------------------------------------------------------------------------------------------ building
@@ -144,6 +149,10 @@ def build(config: ml_collections.ConfigDict) -> Run:
         if config[key] < 1:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
     strategy = sk.strategy(config.strategy)
+    if strategy.layers.startswith("pipeline") and config.get("pipeline"):  # schedule / microbatches flags
+        pp = config.pipeline
+        v = f":{pp.virtual_stages}" if pp.virtual_stages else ""
+        strategy = strategy.replace(layers=f"pipeline:{pp.schedule}:{pp.microbatches}{v}")
     preset = resolve_preset(config.hardware)
     mesh = sk.make_mesh(config.mesh or (preset.axes if preset else {"fsdp": -1}))  # "": the preset's mesh
     strategy.bind(mesh)
@@ -250,13 +259,30 @@ class _Log:
                 f.close()
 
 
+def _cluster_env() -> bool:
+    """A cluster launcher started several processes of this command: `srun` with more than one task."""
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ
+
+
+def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: int = 120) -> None:
+    """jax.distributed.initialize from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (the --coordinator
+    flags set them; experiments/launch_local.py too), else JAX's cluster auto-detection (TPU pods, SLURM, Open MPI).
+    A peer silent for `heartbeat_timeout_s` is declared dead, so the others fail instead of hanging."""
+    env = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+           "process_id": "JAX_PROCESS_ID"}  # fmt: skip
+    kw: dict[str, Any] = {k: os.environ[v] for k, v in env.items() if os.environ.get(v)}
+    kw.update({k: int(v) for k, v in kw.items() if k != "coordinator_address"})
+    timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=initialization_timeout_s)
+    params = inspect.signature(jax.distributed.initialize).parameters
+    jax.distributed.initialize(**kw, **{k: v for k, v in timeouts.items() if k in params})
+
+
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """Trains (or resumes) the run `config` describes; returns a summary dict. Raises ShardkitError on bad config."""
-    if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS")) and not jax.distributed.is_initialized():
-        # Cluster auto-detection (TPU pods, SLURM, Open MPI, ...); by hand: JAX_COORDINATOR_ADDRESS=host:port
-        # plus JAX_NUM_PROCESSES and JAX_PROCESS_ID.
-        env = {"num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
-        jax.distributed.initialize(**{k: int(os.environ[v]) for k, v in env.items() if v in os.environ})
+    if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or _cluster_env()) and not (
+        jax.distributed.is_initialized()
+    ):
+        init_distributed()
     if config.jax_cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
     t_start, main = time.perf_counter(), jax.process_index() == 0
@@ -308,8 +334,12 @@ def _train(
     step, ds, b, t = run.step, run.ds, config.batch_size, config.seq_len
     info = _header(config, run, say)
     batch_shape = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=step.batch_sharding)
+    # Context parallelism: the loader lays tokens out for the ring (zigzag / striped) and adds their positions.
+    layout, ring = sk.attention.strategy_layout(step.strategy.attention, step.mesh)
+    perm = None if layout == "contiguous" else sk.attention.layout_perm(layout, t, ring)
     t_compile = time.perf_counter()
-    compiled = step.lower(step.abstract_state(), {"inputs": batch_shape, "targets": batch_shape}).compile()
+    batch_keys = ("inputs", "targets") if perm is None else ("inputs", "targets", "positions")
+    compiled = step.lower(step.abstract_state(), dict.fromkeys(batch_keys, batch_shape)).compile()
     say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
     start = ckpt.latest_step()
     if start is not None:
@@ -332,13 +362,13 @@ def _train(
         (run.dir / "config.json.tmp").write_text(json.dumps(resolved, indent=2))
         os.replace(run.dir / "config.json.tmp", run.dir / "config.json")
 
-    val = data.val_batches(ds, config.eval_batches, b, t, step.batch_sharding)
+    val = data.val_batches(ds, config.eval_batches, b, t, step.batch_sharding, perm)
     log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar), None, None
     last_good = lambda: f"step {ckpt.latest_step()} in {ckpt.directory}"
     try:
         with _Stop() as stop:
             for s in range(start, config.steps):
-                batch = data.global_batch(ds, s, b, t, step.batch_sharding, seed=config.seed)
+                batch = data.global_batch(ds, s, b, t, step.batch_sharding, seed=config.seed, perm=perm)
                 state, metrics = compiled(state, batch)  # dispatched: the host goes on while the devices work
                 if pending:
                     log.emit(log.record(*pending, last_good()))
@@ -385,6 +415,9 @@ def main(argv: Sequence[str]) -> None:
     """absl entry point: `python -m experiments.train --config=... --config.x=...`; errors exit 2 (config) or 1."""
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    for flag, var in (_COORD, "JAX_COORDINATOR_ADDRESS"), (_NPROC, "JAX_NUM_PROCESSES"), (_PID, "JAX_PROCESS_ID"):
+        if flag.value not in ("", -1):
+            os.environ[var] = str(flag.value)
     try:
         summary = train(_CONFIG.value)
     except (sk.ShardkitError, NonFiniteError) as e:

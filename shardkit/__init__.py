@@ -1,6 +1,6 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
-from shardkit import attention, checkpoint, collectives, costmodel, inspect, layers, tensor3d
+from shardkit import attention, checkpoint, collectives, costmodel, inspect, layers, pipeline, tensor3d
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.errors import ShardkitError
@@ -38,6 +38,7 @@ __all__ = [
     "mesh_shape_str",
     "param_logical_axes",
     "param_shardings",
+    "pipeline",
     "plan",
     "register_strategy",
     "sharded_init",

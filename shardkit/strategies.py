@@ -268,3 +268,29 @@ register_strategy(
         " AR over data",
     )
 )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pipeline parallelism (shardkit/pipeline.py): the stacked `layers` axis of the parameters rests on `stage`, and
+# `layers="pipeline:<schedule>[:<microbatches>[:<virtual stages>]]"` picks the kernel (gpipe | 1f1b | circular;
+# microbatches default to the stage count). Other axes work inside the pipeline through the usual rules.
+from shardkit import pipeline as _pipeline  # noqa: E402, F401  (registers the "pipeline" layer-stack kernel)
+
+for _name, _params, _compute, _required, _what in (
+    ("pp", {}, {}, ("stage",), "layers over stage only"),
+    ("pp_dp", {}, {"batch": "data"}, ("stage", "data"), "layers over stage x batch over data"),
+    ("pp_fsdp", {"embed": "fsdp"}, {"batch": _DP_FSDP}, ("stage", "fsdp"), "layers over stage x fsdp (ZeRO-3)"),
+    ("pp_tp", _TP, {"batch": "data", **_TP}, ("stage", "tensor"), "layers over stage x Megatron tp over tensor"),
+):
+    register_strategy(
+        Strategy(
+            _name,
+            _rules(layers="stage", **_params),
+            _rules(**_compute),
+            required_axes=_required,
+            layers="pipeline:gpipe",
+            description=f"pipeline: {_what}; schedule in `layers` (pipeline:gpipe|1f1b|circular[:m[:v]])",
+            collectives="collective-permute of one microbatch activation per tick over stage (fwd and bwd)"
+            " + the other axes' collectives",
+        )
+    )

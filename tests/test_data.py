@@ -218,6 +218,22 @@ def test_global_batch_equals_numpy_batch(corpus: data.TokenDataset, spec: P) -> 
     assert np.array_equal(np.asarray(next(it)["targets"]), full["targets"])
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_global_batch_in_context_parallel_layout(corpus: data.TokenDataset, layout: str) -> None:
+    """Sequence sharded over 4 ranks in a ring layout: same tokens as laying out the natural batch, plus positions."""
+    from shardkit.attention import layout_batch, layout_perm
+
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sharding = NamedSharding(mesh, P("data", "seq"))
+    gb = data.global_batch(corpus, 3, 4, 16, sharding, seed=2, perm=layout_perm(layout, 16, 4))
+    expected = layout_batch(data.BatchIterator(corpus, 4, 16, seed=2).batch(3), layout, 4)
+    assert set(gb) == {"inputs", "targets", "positions"}
+    for k, v in expected.items():
+        assert np.array_equal(np.asarray(gb[k]), v), k
+    val = data.val_batches(corpus, 1, 4, 16, sharding, perm=layout_perm(layout, 16, 4))[0]
+    assert np.array_equal(np.asarray(val["positions"][0]), layout_perm(layout, 16, 4))
+
+
 def test_val_batches_fixed(corpus: data.TokenDataset) -> None:
     a = data.val_batches(corpus, 3, 4, 8)
     b = data.val_batches(corpus, 3, 4, 8)
@@ -244,7 +260,7 @@ _WORKER = textwrap.dedent(
     from experiments import data
     read = []
     orig = data.read_windows
-    data.read_windows = lambda t, o, c0, c1: read.append(len(o) * (c1 - c0)) or orig(t, o, c0, c1)
+    data.read_windows = lambda t, o, c0, c1, perm=None: read.append(len(o) * (c1 - c0)) or orig(t, o, c0, c1, perm)
     ds = data.load_dataset(path)
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     for spec in (P(("data", "fsdp")), P("data", "fsdp"), P("fsdp", "data")):

@@ -16,8 +16,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.hardware = "cpu8"  # preset in meshes/ (peak FLOP/s for MFU, HBM); "auto" = match jax.devices()
     c.peak_flops = 0.0  # per-device peak FLOP/s override; 0 = the preset's (measured at start-up on CPU)
     c.mesh = "data=2,fsdp=4"  # "axis=degree,..." (one degree may be -1) or a preset name; "" = the preset's mesh
-    c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp (see shardkit/strategies.py)
+    c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp | pp* (see shardkit/strategies.py)
     c.microbatches = 1  # gradient accumulation: batch_size is split into this many sequential microbatches
+    c.pipeline = ml_collections.ConfigDict()  # pp* strategies only (shardkit/pipeline.py); not accumulation
+    c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | circular
+    c.pipeline.microbatches = 4  # pipeline microbatches per step (1f1b and circular need >= the stage count)
+    c.pipeline.virtual_stages = 0  # layer chunks per stage device (circular only); 0 = 2 for circular, else 1
     c.cpu_devices = 8  # virtual CPU devices (XLA_FLAGS) when running on CPU; ignored on accelerators
     c.distributed = False  # multi-process: call jax.distributed.initialize() (also if JAX_COORDINATOR_ADDRESS is set)
 

@@ -1,0 +1,338 @@
+"""Pipeline parallelism over the `stage` mesh axis: GPipe, 1F1B and circular schedules as data.
+
+A strategy selects it with `layers="pipeline:<schedule>[:<microbatches>[:<virtual stages>]]"`, e.g.
+"pipeline:gpipe:8", "pipeline:1f1b:8", "pipeline:circular:8:2" (defaults: m = p microbatches, v = 2 for
+circular). These pipeline microbatches are independent of TrainStep's `microbatches` (gradient accumulation,
+which the pipeline kernels do not combine with). The parameter rules put the stacked `layers` axis on `stage`.
+
+- GPipe (Huang et al. 2019, 1811.06965): all m forwards, then all backwards; bubble (p-1)/(m+p-1), every stage
+  holds the activations of all m microbatches. Backward by autodiff through the forward loop.
+- Circular / interleaved (Narayanan et al. 2021, 2104.04473 §2.2): stage s holds v chunks of L/(v p) layers,
+  layer chunk c = r p + s (round robin); microbatches go round the ring v times; bubble (p-1)/(v m+p-1).
+- 1F1B (PipeDream-Flush, Narayanan et al. 2021, 2006.09503): after p-1-s warm-up forwards stage s alternates
+  one forward and one backward, so at most p microbatches are in flight per stage. The loss is computed
+  outside `apply_stack`, so the stack is a `jax.custom_vjp`: the primal runs the forward pipeline keeping no
+  residuals; the backward replays the 1F1B table (forwards again, then backwards that recompute their stage
+  from a stored stage input: at most p stored inputs per stage). Cost: 2 extra stage forwards per microbatch.
+
+Every kernel is one `jax.shard_map` manual over `stage` only (data / fsdp / tensor stay automatic, so their
+rules keep working inside); activations move between stages with `lax.ppermute` once per tick, and the tick
+loop is driven by `schedule(p, m, v, kind)`, a [ticks, stages] table from which the tests also measure the
+bubble and the activations in flight. FSDP-sharded stage weights are all-gathered once per step (outside the
+tick loop); their gradients are still all-reduced once per backward tick under GSPMD (known gap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from shardkit.errors import ShardkitError
+from shardkit.layers import register_stack, scan_stack
+from shardkit.rules import use_rules
+
+IDLE, FWD, BWD = 0, 1, 2
+SCHEDULES = ("gpipe", "1f1b", "circular")
+AXIS = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """op/mb/chunk[tick, stage]: IDLE, FWD or BWD of microbatch mb on virtual stage (chunk) `chunk`."""
+
+    kind: str
+    stages: int
+    microbatches: int
+    virtual: int
+    op: np.ndarray
+    mb: np.ndarray
+    chunk: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return self.op.shape[0]
+
+    def bubble(self) -> float:
+        """Idle fraction of the stage x tick slots (F and B one tick each, v ticks per full-stage pass)."""
+        return float((self.op == IDLE).mean())
+
+    def peak_in_flight(self) -> np.ndarray:
+        """Per stage: max over ticks of forwards done minus backwards done (stored microbatch activations)."""
+        live = np.cumsum(self.op == FWD, axis=0) - np.cumsum(self.op == BWD, axis=0)
+        return live.max(axis=0) // self.virtual if self.virtual > 1 else live.max(axis=0)
+
+
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """GPipe and 1F1B (v = 1): (p-1)/(m+p-1); interleaved with v virtual stages: (p-1)/(v m+p-1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def parse(name: str, p: int) -> tuple[str, int, int]:
+    """'pipeline:1f1b:8' -> ('1f1b', 8, 1); 'pipeline:circular:8:2' -> ('circular', 8, 2)."""
+    parts = name.split(":")[1:]
+    kind = parts[0] if parts else "gpipe"
+    if kind not in SCHEDULES:
+        raise ShardkitError(f"pipeline schedule {kind!r} (from {name!r}): choose one of {', '.join(SCHEDULES)}")
+    try:
+        m = int(parts[1]) if len(parts) > 1 else p
+        v = int(parts[2]) if len(parts) > 2 else (2 if kind == "circular" else 1)
+    except ValueError as e:
+        raise ShardkitError(f"{name!r}: expected 'pipeline:<schedule>:<microbatches>[:<virtual>]'") from e
+    if kind != "circular" and v != 1:
+        raise ShardkitError(f"{name!r}: virtual stages (v={v}) need the 'circular' schedule")
+    return kind, m, v
+
+
+def _check(kind: str, p: int, m: int, v: int) -> None:
+    if m < 1 or v < 1:
+        raise ShardkitError(f"pipeline: microbatches={m} and virtual stages={v} must be >= 1")
+    if kind == "1f1b" and m < p:
+        raise ShardkitError(f"1f1b needs microbatches >= stages: got {m} microbatches for {p} stages")
+    if kind == "circular" and v > 1 and m < p:
+        raise ShardkitError(f"circular needs microbatches >= stages to refill the ring: got m={m} < p={p}")
+
+
+def schedule(p: int, m: int, v: int = 1, kind: str = "gpipe") -> Schedule:
+    """The (tick, stage) -> (op, microbatch, chunk) table of a full step (forward and backward)."""
+    _check(kind, p, m, v)
+    if kind == "1f1b":
+        return _one_f_one_b(p, m)
+    v = v if kind == "circular" else 1
+    fwd_ticks = v * m + p - 1
+    op, mb, ch = (np.zeros((2 * fwd_ticks, p), np.int32) for _ in range(3))
+    for s in range(p):
+        for j in range(v * m):  # forward: stage s handles (repeat r, microbatch i) at tick r m + i + s
+            r, i = divmod(j, m)
+            t = j + s
+            op[t, s], mb[t, s], ch[t, s] = FWD, i, r
+            tb = fwd_ticks + (v - 1 - r) * m + i + (p - 1 - s)  # backward: the mirror image
+            op[tb, s], mb[tb, s], ch[tb, s] = BWD, i, r
+    return Schedule(kind, p, m, v, op, mb, ch)
+
+
+def _one_f_one_b(p: int, m: int) -> Schedule:
+    """PipeDream-Flush order per stage, timed by simulation: an op runs once its inputs arrived a tick earlier."""
+    orders = []
+    for s in range(p):
+        warm = min(p - 1 - s, m)
+        seq = [(FWD, i) for i in range(warm)]
+        for i in range(m - warm):
+            seq += [(FWD, warm + i), (BWD, i)]
+        seq += [(BWD, i) for i in range(m - warm, m)]
+        orders.append(seq)
+    done: dict[tuple[int, int, int], int] = {}  # (op, microbatch, stage) -> tick it ran
+    pos, rows, t = [0] * p, [], 0
+    while any(pos[s] < len(orders[s]) for s in range(p)):
+        row = []
+        for s in range(p):
+            if pos[s] == len(orders[s]):
+                row.append((IDLE, 0))
+                continue
+            o, i = orders[s][pos[s]]
+            dep = (FWD, i, s - 1) if o == FWD else (BWD, i, s + 1) if s < p - 1 else (FWD, i, s)
+            ready = (o == FWD and s == 0) or done.get(dep, t) < t
+            row.append((o, i) if ready else (IDLE, 0))
+        for s, (o, i) in enumerate(row):
+            if o != IDLE:
+                done[(o, i, s)] = t
+                pos[s] += 1
+        rows.append(row)
+        t += 1
+    arr = np.array(rows, np.int32)  # [ticks, p, 2]
+    return Schedule("1f1b", p, m, 1, arr[..., 0], arr[..., 1], np.zeros_like(arr[..., 0]))
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+def _split(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [m, B/m, ...], strided (row b to microbatch b % m) so each keeps the batch sharding."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _merge(x: jax.Array) -> jax.Array:
+    """[m, B/m, ...] -> [B, ...], the inverse of `_split`."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _to_stages(stacked: Any, p: int, v: int) -> Any:
+    """[L, ...] -> [p, v, L/(v p), ...] with layer r p k + s k + j at [s, r, j] (round robin for v > 1)."""
+    return jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (v * p), *w.shape[1:]).swapaxes(0, 1), stacked)
+
+
+def _varying(x: Any) -> Any:
+    """Marks loop carries as differing across stages (shard_map's vma check; idempotent)."""
+
+    def vary(a: jax.Array) -> jax.Array:
+        t = jax.typeof(a)  # jax 0.12: aval.vma; jax 0.10: aval.manual_axis_type.varying
+        vma = getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ())
+        return a if AXIS in vma else lax.pcast(a, AXIS, to="varying")
+
+    return jax.tree.map(vary, x)
+
+
+def _gathered(params: Any, gather: bool = True) -> Any:
+    """Stage weights replicated over the automatic axes: FSDP's all-gather once per step, not once per tick."""
+    if not gather:
+        return params
+    rep = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), P())
+    return jax.tree.map(lambda w: lax.with_sharding_constraint(w, rep), params)
+
+
+def _select(cond: jax.Array, new: jax.Array, buf: jax.Array, i: jax.Array) -> jax.Array:
+    """buf[i] = new where cond (one slice rewritten, not the whole buffer)."""
+    return buf.at[i].set(jnp.where(cond, new, buf[i]))
+
+
+def _forward_body(stage_fn: Callable, p: int, m: int, v: int, gather: bool) -> Callable:
+    """Per-device forward of the GPipe/circular pipeline: x [m, b, ...] -> y [1, m, b, ...] (valid on stage 0)."""
+
+    def body(params: Any, xm: jax.Array, argsm: tuple) -> jax.Array:
+        params = _gathered(jax.tree.map(lambda w: w[0], params), gather)  # [v, k, ...]: this stage's chunks
+        s = lax.axis_index(AXIS)
+        ring = [(k, (k + 1) % p) for k in range(p)]
+
+        def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
+            recv, buf = carry  # recv: [b, ...] sent by stage s-1 last tick; buf: [m, b, ...] ring input on stage 0
+            j = jnp.clip(t - s, 0, v * m - 1)
+            r, i = j // m, j % m
+            inp = jnp.where(s == 0, buf[i], recv)
+            w = jax.tree.map(lambda a: a[r], params)
+            y = stage_fn(w, inp, *(a[i] for a in argsm))
+            sent = lax.ppermute(y, AXIS, ring)  # [b, ...] stage s -> s+1, and p-1 -> 0 (next repeat / output)
+            jl = t - (p - 1)  # what stage p-1 computed this tick lands in stage 0's buffer
+            ok = (s == 0) & (jl >= 0) & (jl < v * m)
+            return (sent, _select(ok, sent, buf, jnp.clip(jl, 0, v * m - 1) % m)), None
+
+        carry = _varying((jnp.zeros_like(xm[0]), xm))
+        (_, buf), _ = lax.scan(tick, carry, jnp.arange(v * m + p - 1))
+        return buf[None]
+
+    return body
+
+
+def _one_f_one_b_body(stage_fn: Callable, sched: Schedule, gather: bool) -> Callable:
+    """Per-device 1F1B backward: (x [m, b, ...], dy [m, b, ...]) -> (dW [1, 1, k, ...], dx [1, m, b, ...])."""
+    p = sched.stages
+    table = np.stack([sched.op, sched.mb], axis=-1)  # [ticks, p, 2]
+
+    def body(params: Any, xm: jax.Array, argsm: tuple, dym: jax.Array) -> tuple[Any, jax.Array]:
+        params = _gathered(jax.tree.map(lambda w: w[0, 0], params), gather)  # [k, ...]
+        s = lax.axis_index(AXIS)
+        zero = _varying(jnp.zeros_like(xm[0]))
+
+        def tick(carry: tuple, row: jax.Array) -> tuple[tuple, None]:
+            xbuf, gbuf, dw, dx_out = carry  # xbuf/gbuf: [p, b, ...] stage inputs / output grads by slot i % p
+            op, i = row[s, 0], row[s, 1]
+            args = tuple(a[i] for a in argsm)
+            x_in = jnp.where(s == 0, xm[i], xbuf[i % p])
+            f = lambda w, x: stage_fn(w, x, *args)
+
+            def fwd(_: None) -> tuple:
+                return f(params, x_in), zero, jax.tree.map(jnp.zeros_like, params)
+
+            def bwd(_: None) -> tuple:
+                g = jnp.where(s == p - 1, dym[i], gbuf[i % p])
+                dwi, dxi = jax.vjp(f, params, x_in)[1](g)
+                return zero, dxi, dwi
+
+            def idle(_: None) -> tuple:
+                return zero, zero, jax.tree.map(jnp.zeros_like, params)
+
+            y, dx, dwi = lax.switch(op, [idle, fwd, bwd], None)
+            dw = jax.tree.map(jnp.add, dw, dwi)
+            dx_out = _select((s == 0) & (op == BWD), dx, dx_out, i)
+            y_recv = lax.ppermute(y, AXIS, [(k, k + 1) for k in range(p - 1)])  # [b, ...] s -> s+1
+            g_recv = lax.ppermute(dx, AXIS, [(k + 1, k) for k in range(p - 1)])  # [b, ...] s -> s-1
+            prev, nxt = row[jnp.maximum(s - 1, 0)], row[jnp.minimum(s + 1, p - 1)]
+            xbuf = _select((s > 0) & (prev[0] == FWD), y_recv, xbuf, prev[1] % p)
+            gbuf = _select((s < p - 1) & (nxt[0] == BWD), g_recv, gbuf, nxt[1] % p)
+            return (xbuf, gbuf, dw, dx_out), None
+
+        buf = jnp.zeros((p, *xm.shape[1:]), xm.dtype)
+        carry = _varying((buf, buf, jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(xm)))
+        (_, _, dw, dx), _ = lax.scan(tick, carry, jnp.asarray(table))
+        return jax.tree.map(lambda a: a[None, None], dw), dx[None]
+
+    return body
+
+
+def pipeline_stack(
+    block_fn: Callable, stacked: Any, x: jax.Array, *args: Any, remat: str = "none", context: Any = None
+) -> jax.Array:
+    """The `register_stack("pipeline", ...)` kernel: x [B, ...] -> x [B, ...] through L layers on p stages."""
+    name = dict(context.options).get("layers", "pipeline") if context is not None else "pipeline"
+    p = context.mesh.shape.get(AXIS, 1) if context is not None else 1
+    kind, m, v = parse(name, p)
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    if num_layers % (p * v):
+        raise ShardkitError(
+            f"{name!r}: {num_layers} layers are not divisible by {p} stages x {v} virtual stages = {p * v}"
+        )
+    if x.shape[0] % m:
+        raise ShardkitError(f"{name!r}: batch {x.shape[0]} is not divisible by {m} pipeline microbatches")
+    _check(kind, p, m, v)
+    if p == 1:
+        return scan_stack(block_fn, stacked, x, *args, remat=remat)
+    keep = [k for k, a in enumerate(args) if a is not None]
+    # Weights sharded only over the batch axes (FSDP) are gathered once per step; with tensor-style axes in the
+    # compute rules the weights keep their layout (their gather, if any, stays per tick).
+    batch_axes = set(context.rules.get("batch") or ())
+    gather = not {a for axes in context.rules.values() for a in (axes or ())} - batch_axes - {AXIS}
+
+    def stage_fn(w: Any, h: jax.Array, *a: jax.Array) -> jax.Array:
+        """k layers on one microbatch, constrained on the abstract mesh in which `stage` is manual."""
+        mesh = jax.sharding.get_abstract_mesh()
+        with use_rules(mesh, context.rules, context.attention, **dict(context.options)):
+            return scan_stack(block_fn, w, h, *_refill(args, keep, a), remat=remat)
+
+    fwd = jax.shard_map(
+        _forward_body(stage_fn, p, m, v, gather),
+        mesh=context.mesh,
+        in_specs=(P(AXIS), P(), P()),
+        out_specs=P(AXIS),
+        axis_names={AXIS},
+    )
+    staged = _to_stages(stacked, p, v)
+    xm, argsm = _split(x, m), tuple(_split(args[k], m) for k in keep)
+    if kind != "1f1b":
+        return _merge(fwd(staged, xm, argsm)[0])
+    bwd = jax.shard_map(
+        _one_f_one_b_body(stage_fn, schedule(p, m, 1, kind), gather),
+        mesh=context.mesh,
+        in_specs=(P(AXIS), P(), P(), P()),
+        out_specs=(P(AXIS), P(AXIS)),
+        axis_names={AXIS},
+    )
+
+    @jax.custom_vjp
+    def run(w: Any, xm: jax.Array, argsm: tuple) -> jax.Array:
+        return fwd(w, xm, argsm)[0]
+
+    def run_fwd(w: Any, xm: jax.Array, argsm: tuple) -> tuple[jax.Array, tuple]:
+        return run(w, xm, argsm), (w, xm, argsm)
+
+    def run_bwd(res: tuple, dy: jax.Array) -> tuple:
+        w, xm, argsm = res
+        dw, dx = bwd(w, xm, argsm, dy)
+        return dw, dx[0], jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), argsm)
+
+    run.defvjp(run_fwd, run_bwd)
+    return _merge(run(staged, xm, argsm))
+
+
+def _refill(args: tuple, keep: list[int], given: tuple) -> list[Any]:
+    out = list(args)
+    for k, a in zip(keep, given, strict=True):
+        out[k] = a
+    return out
+
+
+register_stack("pipeline", pipeline_stack)
+
+__all__ = ["SCHEDULES", "Schedule", "bubble_formula", "parse", "pipeline_stack", "schedule"]

@@ -1,0 +1,140 @@
+"""Pipeline parallelism (shardkit/pipeline.py): schedule tables, training parity, bad input, memory.
+
+Parity tolerance as in test_parity.py: the pipelined and one-device programs sum in a different order (per
+microbatch, per data shard), fp32 results agree to ~1e-6; we assert 1e-5 (SGD with momentum, 3 steps).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from common import TINY, make_batch, one_device_mesh, train
+from test_parity import assert_params_close
+
+import shardkit as sk
+from models.gpt import GPTConfig
+from shardkit import pipeline as pp
+from shardkit.rules import ShardingContext
+
+CFG = GPTConfig(**{**TINY.__dict__, "num_layers": 8})  # 8 layers: 4 stages x 2 virtual, or 2 stages x 2 x 2
+
+
+# ------------------------------------------------------------------------------------ schedules as data
+_PMV = [(2, 2, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1), (8, 3, 1), (3, 7, 1)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "p", "m", "v"),
+    [("gpipe", *pmv) for pmv in _PMV] + [("1f1b", p, m, v) for p, m, v in _PMV if m >= p],  # 1f1b needs m >= p
+)
+def test_bubble_of_the_table_equals_the_formula(kind, p, m, v):
+    sched = pp.schedule(p, m, v, kind)
+    assert sched.bubble() == pytest.approx(pp.bubble_formula(p, m, v), abs=1e-12)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (4, 4, 2), (4, 8, 2), (2, 4, 4), (4, 4, 3)])
+def test_circular_bubble_is_reduced_by_v(p, m, v):
+    sched = pp.schedule(p, m, v, "circular")
+    assert sched.bubble() == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert sched.bubble() < pp.schedule(p, m, 1, "gpipe").bubble()
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (4, 16), (8, 8)])
+def test_peak_in_flight_is_m_for_gpipe_and_at_most_p_for_1f1b(p, m):
+    gpipe, one = pp.schedule(p, m, 1, "gpipe").peak_in_flight(), pp.schedule(p, m, 1, "1f1b").peak_in_flight()
+    assert (gpipe == m).all()
+    assert (one <= p).all() and one[0] == p  # the first stage holds p, stage s holds p - s
+    np.testing.assert_array_equal(one, p - np.arange(p))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "circular"])
+def test_every_table_runs_each_forward_and_backward_once_in_dependency_order(kind):
+    p, m, v = 4, 8, 2 if kind == "circular" else 1
+    sched = pp.schedule(p, m, v, kind)
+    when = {}
+    for t, s in zip(*np.nonzero(sched.op), strict=True):
+        key = (int(sched.op[t, s]), int(sched.mb[t, s]), int(sched.chunk[t, s]) * p + int(s))
+        assert key not in when, f"{key} scheduled twice"
+        when[key] = t
+    assert len(when) == 2 * m * v * p
+    for (op, i, c), t in when.items():  # c: global chunk index = repeat * p + stage
+        if op == pp.FWD and c > 0:
+            assert when[(pp.FWD, i, c - 1)] < t
+        if op == pp.BWD:
+            assert when[(pp.FWD, i, c)] < t
+            if c < v * p - 1:
+                assert when[(pp.BWD, i, c + 1)] < t
+
+
+def test_parse_layers_names():
+    assert pp.parse("pipeline", 4) == ("gpipe", 4, 1)
+    assert pp.parse("pipeline:1f1b:8", 4) == ("1f1b", 8, 1)
+    assert pp.parse("pipeline:circular:8", 4) == ("circular", 8, 2)
+    assert pp.parse("pipeline:circular:8:3", 4) == ("circular", 8, 3)
+    with pytest.raises(sk.ShardkitError, match="zigzag"):
+        pp.parse("pipeline:zigzag", 4)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def _stack_call(layers: str, num_layers: int = 8, batch: int = 16) -> None:
+    mesh = sk.make_mesh("stage=4", jax.devices()[:4])
+    ctx = ShardingContext(mesh, {}, options=(("layers", layers),))
+    stacked = {"w": jnp.zeros((num_layers, 2))}
+    pp.pipeline_stack(lambda w, x: x, stacked, jnp.zeros((batch, 2)), context=ctx)
+
+
+@pytest.mark.parametrize(
+    ("layers", "num_layers", "batch", "message"),
+    [
+        ("pipeline:gpipe:4", 6, 16, r"6 layers are not divisible by 4 stages x 1 virtual stages = 4"),
+        ("pipeline:circular:4:4", 8, 16, r"8 layers are not divisible by 4 stages x 4 virtual stages = 16"),
+        ("pipeline:1f1b:2", 8, 16, r"1f1b needs microbatches >= stages: got 2 microbatches for 4 stages"),
+        ("pipeline:gpipe:3", 8, 16, r"batch 16 is not divisible by 3 pipeline microbatches"),
+    ],
+)
+def test_bad_input_is_refused_with_the_numbers(layers, num_layers, batch, message):
+    with pytest.raises(sk.ShardkitError, match=message):
+        _stack_call(layers, num_layers, batch)
+
+
+# --------------------------------------------------------------------------------------- training parity
+@pytest.fixture(scope="module")
+def reference():
+    return train(one_device_mesh(), "dp", cfg=CFG)[:2]
+
+
+def _mesh(spec: str):
+    n = int(np.prod([int(part.split("=")[1]) for part in spec.split(",")]))
+    return sk.make_mesh(spec, jax.devices()[:n])
+
+
+LAYERS = {"gpipe": "pipeline:gpipe:4", "1f1b": "pipeline:1f1b:4", "circular": "pipeline:circular:4:2"}
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.parametrize(
+    ("name", "spec"), [("pp", "stage=4"), ("pp_dp", "stage=2,data=4"), ("pp_fsdp", "stage=2,fsdp=4")]
+)
+def test_pipeline_training_matches_one_device(reference, name, spec, kind):
+    ref_losses, ref_params = reference
+    strategy = sk.strategy(name).replace(layers=LAYERS[kind])
+    losses, params, _, _ = train(_mesh(spec), strategy, cfg=CFG)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(params, ref_params, rtol=1e-5)
+
+
+def test_pp_tp_matches_one_device(reference):
+    losses, params, _, _ = train(_mesh("stage=4,tensor=2"), sk.strategy("pp_tp"), cfg=CFG)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    assert_params_close(params, reference[1], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def test_1f1b_temp_memory_is_below_gpipe_at_m_equal_4p():
+    """m = 4p = 16 microbatches on 4 stages: GPipe keeps m microbatches of residuals, 1F1B at most p."""
+    mesh, temp = _mesh("stage=4"), {}
+    for kind in ("gpipe", "1f1b"):
+        strategy = sk.strategy("pp").replace(layers=f"pipeline:{kind}:16")
+        _, _, step, state = train(mesh, strategy, cfg=CFG, steps=0)
+        temp[kind] = step.lower(state, make_batch()).compile().memory_analysis().temp_size_in_bytes
+    assert temp["1f1b"] < temp["gpipe"], temp
