@@ -12,6 +12,8 @@ microbatches; the baseline is the non-pipelined `fsdp` step on data=2 x fsdp=4 (
   next to the formula (p-1)/(v m+p-1). GPipe and circular compute on every tick (SPMD: an idle stage works
   on a dummy microbatch, masked out); 1F1B's idle ticks skip work (`lax.switch`).
 - temp: per-device temporaries of the compiled step (`memory_analysis().temp_size_in_bytes`).
+- grad_reduce: bytes sent per step by all-reduce / reduce-scatter over data or fsdp (`shardkit.hlo.collectives`);
+  the pipelines reduce weight gradients once after the tick loop, so this does not grow with m.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import optax
 
 import shardkit as sk
 from models.gpt import GPT, GPTConfig
-from shardkit import pipeline
+from shardkit import hlo, pipeline
 
 CFG = GPTConfig(
     num_layers=8, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=128, max_seq_len=32
@@ -60,7 +62,10 @@ def measure(spec: str, strategy: sk.Strategy, reps: int) -> dict[str, Any]:
         jax.block_until_ready(compiled(state, batch))
         times.append(time.perf_counter() - t0)
     temp = compiled.memory_analysis().temp_size_in_bytes
-    return {"step_s": min(times), "compile_s": compile_s, "temp_bytes": int(temp)}
+    colls = hlo.collectives(compiled, mesh)
+    red = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter") and set(c.axes) & {"data", "fsdp"}]
+    reduce = sum(c.bytes_sent for c in red)
+    return {"step_s": min(times), "compile_s": compile_s, "temp_bytes": int(temp), "grad_reduce_bytes": reduce}
 
 
 def main() -> None:
@@ -93,7 +98,8 @@ def main() -> None:
             print(
                 f"{kind:>8} m={m:<3} v={v} step {x['step_s'] * 1e3:7.1f} ms ({x['time_vs_fsdp']:.2f}x fsdp)  "
                 f"bubble {x['bubble_table']:.3f} (formula {x['bubble_formula']:.3f})  "
-                f"in flight {x['peak_in_flight']:>2}  temp {x['temp_bytes'] / 2**20:6.2f} MiB",
+                f"in flight {x['peak_in_flight']:>2}  temp {x['temp_bytes'] / 2**20:6.2f} MiB  "
+                f"grad reduce {x['grad_reduce_bytes'] / 2**20:6.2f} MiB",
                 flush=True,
             )
     print(f"    fsdp step {base['step_s'] * 1e3:.1f} ms, temp {base['temp_bytes'] / 2**20:.2f} MiB")

@@ -15,11 +15,15 @@ which the pipeline kernels do not combine with). The parameter rules put the sta
   residuals; the backward replays the 1F1B table (forwards again, then backwards that recompute their stage
   from a stored stage input: at most p stored inputs per stage). Cost: 2 extra stage forwards per microbatch.
 
-Every kernel is one `jax.shard_map` manual over `stage` only (data / fsdp / tensor stay automatic, so their
-rules keep working inside); activations move between stages with `lax.ppermute` once per tick, and the tick
-loop is driven by `schedule(p, m, v, kind)`, a [ticks, stages] table from which the tests also measure the
-bubble and the activations in flight. FSDP-sharded stage weights are all-gathered once per step (outside the
-tick loop); their gradients are still all-reduced once per backward tick under GSPMD (known gap).
+Every kernel is one `jax.shard_map` manual over `stage` and the batch mesh axes (those of the `batch` compute
+rule, e.g. data / fsdp; tensor stays automatic, so its rules keep working inside). Activations move between
+stages with `lax.ppermute` once per tick, and the tick loop is driven by `schedule(p, m, v, kind)`, a
+[ticks, stages] table from which the tests also measure the bubble and the activations in flight.
+Gradient reduction once per step: each device enters with its stage's full weights (FSDP's all-gather, once
+per step, outside the tick loop) and marks them varying over the batch axes before the loop, so every tick
+adds to a per-device, unreduced weight gradient (the price: one full-size stage gradient per device, as with
+DDP's no_sync), and the one `psum` over the batch axes after the loop (the transpose of that mark; explicit
+in 1F1B's backward) is the step's only gradient reduction over them.
 """
 
 from __future__ import annotations
@@ -165,15 +169,21 @@ def _to_stages(stacked: Any, p: int, v: int) -> Any:
     return jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (v * p), *w.shape[1:]).swapaxes(0, 1), stacked)
 
 
-def _varying(x: Any) -> Any:
-    """Marks loop carries as differing across stages (shard_map's vma check; idempotent)."""
+def _varying(x: Any, axes: tuple[str, ...] = (AXIS,)) -> Any:
+    """Marks values as differing across the manual `axes` (shard_map's vma check; idempotent)."""
 
     def vary(a: jax.Array) -> jax.Array:
         t = jax.typeof(a)  # jax 0.12: aval.vma; jax 0.10: aval.manual_axis_type.varying
         vma = getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ())
-        return a if AXIS in vma else lax.pcast(a, AXIS, to="varying")
+        missing = tuple(ax for ax in axes if ax not in vma)
+        return lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree.map(vary, x)
+
+
+def _local(params: Any, batch: tuple[str, ...]) -> Any:
+    """Weights as per-device copies over the batch axes: their gradient (the transpose) is psummed here, once."""
+    return _varying(params, batch) if batch else params
 
 
 def _gathered(params: Any, gather: bool = True) -> Any:
@@ -189,11 +199,12 @@ def _select(cond: jax.Array, new: jax.Array, buf: jax.Array, i: jax.Array) -> ja
     return buf.at[i].set(jnp.where(cond, new, buf[i]))
 
 
-def _forward_body(stage_fn: Callable, p: int, m: int, v: int, gather: bool) -> Callable:
+def _forward_body(stage_fn: Callable, p: int, m: int, v: int, gather: bool, batch: tuple[str, ...]) -> Callable:
     """Per-device forward of the GPipe/circular pipeline: x [m, b, ...] -> y [1, m, b, ...] (valid on stage 0)."""
 
     def body(params: Any, xm: jax.Array, argsm: tuple) -> jax.Array:
         params = _gathered(jax.tree.map(lambda w: w[0], params), gather)  # [v, k, ...]: this stage's chunks
+        params = _local(params, batch)  # outside the tick loop: d(params) is reduced over `batch` once
         s = lax.axis_index(AXIS)
         ring = [(k, (k + 1) % p) for k in range(p)]
 
@@ -209,22 +220,23 @@ def _forward_body(stage_fn: Callable, p: int, m: int, v: int, gather: bool) -> C
             ok = (s == 0) & (jl >= 0) & (jl < v * m)
             return (sent, _select(ok, sent, buf, jnp.clip(jl, 0, v * m - 1) % m)), None
 
-        carry = _varying((jnp.zeros_like(xm[0]), xm))
+        carry = _varying((jnp.zeros_like(xm[0]), xm), (AXIS, *batch))
         (_, buf), _ = lax.scan(tick, carry, jnp.arange(v * m + p - 1))
         return buf[None]
 
     return body
 
 
-def _one_f_one_b_body(stage_fn: Callable, sched: Schedule, gather: bool) -> Callable:
+def _one_f_one_b_body(stage_fn: Callable, sched: Schedule, gather: bool, batch: tuple[str, ...]) -> Callable:
     """Per-device 1F1B backward: (x [m, b, ...], dy [m, b, ...]) -> (dW [1, 1, k, ...], dx [1, m, b, ...])."""
     p = sched.stages
     table = np.stack([sched.op, sched.mb], axis=-1)  # [ticks, p, 2]
 
     def body(params: Any, xm: jax.Array, argsm: tuple, dym: jax.Array) -> tuple[Any, jax.Array]:
-        params = _gathered(jax.tree.map(lambda w: w[0, 0], params), gather)  # [k, ...]
+        params = _local(_gathered(jax.tree.map(lambda w: w[0, 0], params), gather), batch)  # [k, ...]
         s = lax.axis_index(AXIS)
-        zero = _varying(jnp.zeros_like(xm[0]))
+        vary = lambda a: _varying(a, (AXIS, *batch))
+        zero = vary(jnp.zeros_like(xm[0]))
 
         def tick(carry: tuple, row: jax.Array) -> tuple[tuple, None]:
             xbuf, gbuf, dw, dx_out = carry  # xbuf/gbuf: [p, b, ...] stage inputs / output grads by slot i % p
@@ -244,7 +256,7 @@ def _one_f_one_b_body(stage_fn: Callable, sched: Schedule, gather: bool) -> Call
             def idle(_: None) -> tuple:
                 return zero, zero, jax.tree.map(jnp.zeros_like, params)
 
-            y, dx, dwi = lax.switch(op, [idle, fwd, bwd], None)
+            y, dx, dwi = lax.switch(op, [lambda _, br=br: vary(br(None)) for br in (idle, fwd, bwd)], None)
             dw = jax.tree.map(jnp.add, dw, dwi)
             dx_out = _select((s == 0) & (op == BWD), dx, dx_out, i)
             y_recv = lax.ppermute(y, AXIS, [(k, k + 1) for k in range(p - 1)])  # [b, ...] s -> s+1
@@ -255,8 +267,9 @@ def _one_f_one_b_body(stage_fn: Callable, sched: Schedule, gather: bool) -> Call
             return (xbuf, gbuf, dw, dx_out), None
 
         buf = jnp.zeros((p, *xm.shape[1:]), xm.dtype)
-        carry = _varying((buf, buf, jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(xm)))
+        carry = vary((buf, buf, jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(xm)))
         (_, _, dw, dx), _ = lax.scan(tick, carry, jnp.asarray(table))
+        dw = lax.psum(dw, batch) if batch else dw  # the step's one gradient reduction over the batch axes
         return jax.tree.map(lambda a: a[None, None], dw), dx[None]
 
     return body
@@ -280,34 +293,45 @@ def pipeline_stack(
     if p == 1:
         return scan_stack(block_fn, stacked, x, *args, remat=remat)
     keep = [k for k, a in enumerate(args) if a is not None]
+    # The batch mesh axes are manual too (so weight gradients stay per device until one psum after the loop);
+    # inside, the batch rule is None: each device already holds only its rows.
+    axes_of = lambda axes: (axes,) if isinstance(axes, str) else tuple(axes or ())
+    batch = tuple(a for a in axes_of(context.rules.get("batch")) if a in context.mesh.shape)
+    d = int(np.prod([context.mesh.shape[a] for a in batch]))
+    if (x.shape[0] // m) % d:
+        raise ShardkitError(
+            f"{name!r}: microbatch of {x.shape[0] // m} rows (batch {x.shape[0]} / {m}) is not divisible by the"
+            f" batch mesh axes {batch} of size {d}"
+        )
+    rules = {k: tuple(a for a in axes_of(axes) if a not in batch) or None for k, axes in context.rules.items()}
     # Weights sharded only over the batch axes (FSDP) are gathered once per step; with tensor-style axes in the
     # compute rules the weights keep their layout (their gather, if any, stays per tick).
-    batch_axes = set(context.rules.get("batch") or ())
-    gather = not {a for axes in context.rules.values() for a in (axes or ())} - batch_axes - {AXIS}
+    gather = not {a for axes in rules.values() for a in (axes or ())} - {AXIS}
 
     def stage_fn(w: Any, h: jax.Array, *a: jax.Array) -> jax.Array:
-        """k layers on one microbatch, constrained on the abstract mesh in which `stage` is manual."""
+        """k layers on one microbatch, constrained on the abstract mesh in which `stage` and `batch` are manual."""
         mesh = jax.sharding.get_abstract_mesh()
-        with use_rules(mesh, context.rules, context.attention, **dict(context.options)):
+        with use_rules(mesh, rules, context.attention, **dict(context.options)):
             return scan_stack(block_fn, w, h, *_refill(args, keep, a), remat=remat)
 
+    manual, rows = {AXIS, *batch}, P(None, batch or None)  # rows: [m, b, ...] with b split over `batch`
     fwd = jax.shard_map(
-        _forward_body(stage_fn, p, m, v, gather),
+        _forward_body(stage_fn, p, m, v, gather, batch),
         mesh=context.mesh,
-        in_specs=(P(AXIS), P(), P()),
-        out_specs=P(AXIS),
-        axis_names={AXIS},
+        in_specs=(P(AXIS), rows, rows),
+        out_specs=P(AXIS, None, batch or None),
+        axis_names=manual,
     )
     staged = _to_stages(stacked, p, v)
     xm, argsm = _split(x, m), tuple(_split(args[k], m) for k in keep)
     if kind != "1f1b":
         return _merge(fwd(staged, xm, argsm)[0])
     bwd = jax.shard_map(
-        _one_f_one_b_body(stage_fn, schedule(p, m, 1, kind), gather),
+        _one_f_one_b_body(stage_fn, schedule(p, m, 1, kind), gather, batch),
         mesh=context.mesh,
-        in_specs=(P(AXIS), P(), P(), P()),
-        out_specs=(P(AXIS), P(AXIS)),
-        axis_names={AXIS},
+        in_specs=(P(AXIS), rows, rows, rows),
+        out_specs=(P(AXIS), P(AXIS, None, batch or None)),
+        axis_names=manual,
     )
 
     @jax.custom_vjp

@@ -1,4 +1,5 @@
-"""Pipeline parallelism (shardkit/pipeline.py): schedule tables, training parity, bad input, memory.
+"""Pipeline parallelism (shardkit/pipeline.py): schedule tables, training parity, bad input, gradient
+reduction structure, memory.
 
 Parity tolerance as in test_parity.py: the pipelined and one-device programs sum in a different order (per
 microbatch, per data shard), fp32 results agree to ~1e-6; we assert 1e-5 (SGD with momentum, 3 steps).
@@ -13,6 +14,7 @@ from test_parity import assert_params_close
 
 import shardkit as sk
 from models.gpt import GPTConfig
+from shardkit import hlo
 from shardkit import pipeline as pp
 from shardkit.rules import ShardingContext
 
@@ -127,6 +129,36 @@ def test_pp_tp_matches_one_device(reference):
     losses, params, _, _ = train(_mesh("stage=4,tensor=2"), sk.strategy("pp_tp"), cfg=CFG)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_params_close(params, reference[1], rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- structure
+@pytest.mark.parametrize(
+    ("name", "spec", "kind"),
+    [
+        ("pp_fsdp", "stage=2,fsdp=4", "gpipe"),
+        ("pp_fsdp", "stage=2,fsdp=4", "circular"),
+        ("pp_fsdp", "stage=2,fsdp=4", "1f1b"),
+        ("pp_dp", "stage=2,data=4", "gpipe"),
+    ],
+)
+def test_gradients_are_reduced_over_the_batch_axes_once_per_step_not_per_microbatch(name, spec, kind):
+    """The data/fsdp gradient reduction is one psum after the tick loop: its bytes do not grow with m."""
+    mesh, sent = _mesh(spec), {}
+    for m in (2, 4):
+        strategy = sk.strategy(name).replace(layers=f"pipeline:{kind}:{m}" + (":2" if kind == "circular" else ""))
+        _, _, step, state = train(mesh, strategy, cfg=CFG, steps=0)
+        colls = hlo.collectives(step.lower(state, make_batch()).compile(), mesh)
+        red = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter") and set(c.axes) & {"data", "fsdp"}]
+        assert red and not [c for c in red if c.in_loop], red
+        sent[m] = sum(c.bytes_sent for c in red)
+    assert sent[4] == pytest.approx(sent[2], rel=0.02), sent
+
+
+def test_microbatch_rows_must_divide_over_the_batch_axes():
+    mesh = _mesh("stage=2,fsdp=4")
+    ctx = ShardingContext(mesh, {"batch": ("fsdp",)}, options=(("layers", "pipeline:gpipe:4"),))
+    with pytest.raises(sk.ShardkitError, match=r"microbatch of 2 rows \(batch 8 / 4\).*size 4"):
+        pp.pipeline_stack(lambda w, x: x, {"w": jnp.zeros((8, 2))}, jnp.zeros((8, 2)), context=ctx)
 
 
 # ---------------------------------------------------------------------------------------------- memory
