@@ -23,7 +23,7 @@ import ml_collections
 from absl import app, flags, logging
 
 import shardkit as sk
-from experiments import data
+from experiments import data, runtime
 from experiments import train as tr  # sets XLA_FLAGS (virtual CPU devices) before jax is imported
 from models.gpt import GPT
 from shardkit.inspect import Report, explain
@@ -37,7 +37,7 @@ def target_axes(config: ml_collections.ConfigDict, num_devices: int) -> dict[str
     """The plan's mesh: `config.mesh` ("axis=n,..." or a preset name; "" = the hardware preset's mesh)."""
     spec = config.mesh
     if not spec:
-        preset = tr.resolve_preset(config.hardware)
+        preset = runtime.resolve_preset(config.hardware)
         if preset is None:
             raise sk.ShardkitError(
                 "config.mesh is empty and config.hardware='auto' matched no preset; give --config.mesh"

@@ -27,7 +27,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import signal
@@ -44,12 +43,12 @@ import ml_collections
 import numpy as np
 import optax
 from absl import app, flags, logging
-from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
 from experiments import data
+from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
 from models.gpt import GPT, GPTConfig
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 
@@ -92,38 +91,6 @@ def model_config(config: ml_collections.ConfigDict, data_vocab: int) -> GPTConfi
     if config.seq_len > fields["max_seq_len"]:
         raise sk.ShardkitError(f"seq_len={config.seq_len} > model.max_seq_len={fields['max_seq_len']}")
     return GPTConfig(**fields)
-
-
-def resolve_preset(name: str) -> sk.HardwarePreset | None:
-    """The named preset; for "auto" the preset whose device kind (and count) matches jax.devices(), else None."""
-    if name != "auto":
-        return sk.load_preset(name)
-    kind, n = jax.devices()[0].device_kind, jax.device_count()
-    found = [p for p in map(sk.load_preset, sk.available_presets()) if p.device_kind == kind]
-    return min(found, key=lambda p: p.num_devices != n, default=None)
-
-
-def calibrate_peak_flops(devices: Sequence[jax.Device], n: int = 512, reps: int = 20) -> float:
-    """Per-device FLOP/s of an fp32 [n, n] @ [n, n] matmul run on all `devices` at once (best of `reps`)."""
-    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
-    x = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32), NamedSharding(mesh, PartitionSpec("d")))
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    best = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
-    """Bytes of `tree`'s arrays held by each addressable device (sum over the arrays' addressable shards)."""
-    out: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
-    return out
 
 
 def _mb(n: float) -> str:
@@ -259,27 +226,9 @@ class _Log:
                 f.close()
 
 
-def _cluster_env() -> bool:
-    """A cluster launcher started several processes of this command: `srun` with more than one task."""
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ
-
-
-def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: int = 120) -> None:
-    """jax.distributed.initialize from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (the --coordinator
-    flags set them; experiments/launch_local.py too), else JAX's cluster auto-detection (TPU pods, SLURM, Open MPI).
-    A peer silent for `heartbeat_timeout_s` is declared dead, so the others fail instead of hanging."""
-    env = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-           "process_id": "JAX_PROCESS_ID"}  # fmt: skip
-    kw: dict[str, Any] = {k: os.environ[v] for k, v in env.items() if os.environ.get(v)}
-    kw.update({k: int(v) for k, v in kw.items() if k != "coordinator_address"})
-    timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=initialization_timeout_s)
-    params = inspect.signature(jax.distributed.initialize).parameters
-    jax.distributed.initialize(**kw, **{k: v for k, v in timeouts.items() if k in params})
-
-
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """Trains (or resumes) the run `config` describes; returns a summary dict. Raises ShardkitError on bad config."""
-    if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or _cluster_env()) and not (
+    if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env()) and not (
         jax.distributed.is_initialized()
     ):
         init_distributed()

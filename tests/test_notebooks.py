@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import nbclient  # the dev extra installs nbclient, nbformat and ipykernel
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "experiments" / "notebooks").glob("*.ipynb"))
 

@@ -1,0 +1,67 @@
+"""Facts about the machine a run needs: the hardware preset, a measured peak, memory per device, distributed init."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import shardkit as sk
+
+
+def resolve_preset(name: str) -> sk.HardwarePreset | None:
+    """The named preset; for "auto" the preset whose device kind (and count) matches jax.devices(), else None."""
+    if name != "auto":
+        return sk.load_preset(name)
+    kind, n = jax.devices()[0].device_kind, jax.device_count()
+    found = [p for p in map(sk.load_preset, sk.available_presets()) if p.device_kind == kind]
+    return min(found, key=lambda p: p.num_devices != n, default=None)
+
+
+def calibrate_peak_flops(devices: Sequence[jax.Device], n: int = 512, reps: int = 20) -> float:
+    """Per-device FLOP/s of an fp32 [n, n] @ [n, n] matmul run on all `devices` at once (best of `reps`)."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32), NamedSharding(mesh, PartitionSpec("d")))
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
+    """Bytes of `tree`'s arrays held by each addressable device (sum over the arrays' addressable shards)."""
+    out: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def cluster_env() -> bool:
+    """A cluster launcher started several processes of this command: `srun` with more than one task."""
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ
+
+
+def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: int = 120) -> None:
+    """jax.distributed.initialize from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (the --coordinator
+    flags set them; experiments/launch_local.py too), else JAX's cluster auto-detection (TPU pods, SLURM, Open MPI).
+    A peer silent for `heartbeat_timeout_s` is declared dead, so the others fail instead of hanging."""
+    env = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+           "process_id": "JAX_PROCESS_ID"}  # fmt: skip
+    kw: dict[str, Any] = {k: os.environ[v] for k, v in env.items() if os.environ.get(v)}
+    kw.update({k: int(v) for k, v in kw.items() if k != "coordinator_address"})
+    timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=initialization_timeout_s)
+    params = inspect.signature(jax.distributed.initialize).parameters
+    jax.distributed.initialize(**kw, **{k: v for k, v in timeouts.items() if k in params})
