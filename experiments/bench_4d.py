@@ -5,9 +5,10 @@
 For all 20 factorisations (G_x, G_y, G_z, G_d) of 8 devices (mesh data, depth, row, col; col innermost):
 1. stack: fwd + bwd of the GPT blocks' four projections as `sk.tensor3d.linear` layers (shard_map kernels);
    bytes per device predicted by `costmodel.strategy_comms("tp3d")` vs counted by `shardkit.hlo`.
-2. gpt: one SGD train step of a small GPT under the `tp3d` strategy (GSPMD rules); predicted = the same
-   four-projection model (CPU: GSPMD's depth reduce-scatter counted as all-reduce) vs the HLO, which also holds
-   the embedding, head, norm and loss collectives the model leaves out; median step time over --steps.
+2. gpt: one SGD train step of a small GPT under the `tp3d` strategy (GSPMD rules); predicted =
+   `strategy_comms("tp3d", gspmd=True)`: the four projections (CPU: GSPMD's depth reduce-scatter counted as
+   all-reduce, weights re-gathered in the scan's backward) + embedding, RMSNorms, head, vocab-parallel
+   cross-entropy and loss / grad-norm scalars (`costmodel_gpt`) vs the HLO; median step time over --steps.
 3. Spearman rank correlation (numpy, average ranks for ties) of predicted bytes vs measured GPT step time.
 4. The planner's top three plans for a 7.2B GPT (LLaMA-3-8B-like shape) on 64 and 1024 Perlmutter GPUs.
 Writes the JSON and a scatter PNG (predicted vs HLO bytes) next to it. On CPU the 8 "devices" share the host's

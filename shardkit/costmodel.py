@@ -96,12 +96,16 @@ class _Builder:
         self.mesh, self.order, self.backend, self.rows = mesh, list(order), backend, []
 
     def add(self, kind: str, axis: str, n: float, count: int = 1, what: str = "", gspmd: bool = False) -> None:
-        p = self.mesh.get(axis, 1)
+        """`axis` may name several axes, "data,depth": one collective over their product (size-1 ones dropped;
+        the row's axis lists the rest outermost first, as `shardkit.hlo` names them)."""
+        names = sorted((a for a in axis.split(",") if self.mesh.get(a, 1) > 1), key=self.order.index, reverse=True)
+        p = math.prod(self.mesh[a] for a in names)
         if p <= 1 or n <= 0:
             return
         if kind == "reduce-scatter" and gspmd and self.backend == "cpu":
             kind, what = "all-reduce", what + " (CPU: all-reduce + dynamic-slice)"
-        i = self.order.index(axis)
+        axis = ",".join(names)
+        i = self.order.index(names[-1])  # the innermost of the group's axes
         inner = math.prod(self.mesh.get(a, 1) for a in self.order[:i])
         self.rows.append(Comm(kind, axis, p, inner, count, ring_factor(kind, p) * n, what))
 
@@ -134,7 +138,10 @@ def tp3d_layer_comms(
     b.add("all-reduce", ain, rows * h2 / gout * nbytes, 1, f"{what}: y = AR_{ain}(x w) fwd")
     b.add("all-reduce", aout, rows * h1 / gin * nbytes, 1, f"{what}: dx = AR_{aout}(dy wᵀ) bwd")
     block = h1 * h2 / (gin * gout) * nbytes
-    b.add("all-gather", "depth", block, 2, f"{what}: weight AG over depth, fwd and bwd")
+    if gspmd:  # inside the GPT's layer scan the backward gathers the block again (not saved as a residual)
+        b.add("all-gather", "depth", 2 * block, 2, f"{what}: weight AG over depth, fwd and again bwd")
+    else:  # a `tensor3d.linear` stack: the backward reuses the forward's gathered block (bytes counted once)
+        b.add("all-gather", "depth", block, 2, f"{what}: weight AG over depth, fwd and bwd")
     b.add("reduce-scatter", "depth", block, 1, f"{what}: dW RS over depth", gspmd=gspmd)
     b.add("all-reduce", "data", block / gz, 1, f"{what}: dW shard AR over data")
 
@@ -149,8 +156,10 @@ def strategy_comms(
     the gradients (ZeRO-3). tp / tp_sp (Megatron, Korthikanti): (4L + 2) activation ARs over tensor (4 per
     block + vocab-parallel embedding fwd and head bwd), or as many AG + RS pairs; gradients of the 1/t shard
     all-reduced over data. tp3d: per block, `tp3d_layer_comms` for the four projections (AxoNN's model, exact
-    for a stack of `tensor3d.linear` layers; the GPT's embedding, head and norms are not counted; `gspmd=True`:
-    the projections are GSPMD einsums under the `tp3d` rules, whose depth reduce-scatter is an AR on CPU).
+    for a stack of `tensor3d.linear` layers); `gspmd=True`: the whole GPT step under the `tp3d` GSPMD rules,
+    the projections (whose depth reduce-scatter is an AR on CPU) + embedding, RMSNorms, head, vocab-parallel
+    cross-entropy and the loss / grad-norm scalars (`costmodel_gpt.gpt_extra_comms`); rows may then name
+    several axes ("data,depth": one collective over their product).
     """
     c = _cfg(cfg)
     e, L = c["d_model"], c["num_layers"]
@@ -161,6 +170,10 @@ def strategy_comms(
         for name, h1, h2, tr in fc_layers(cfg):
             for _ in range(L):
                 tp3d_layer_comms(b, h1, h2, global_batch * seq_len, tr, nbytes, name, gspmd)
+        if gspmd:  # the whole GSPMD train step: embedding, norms, head, cross-entropy, scalars
+            from shardkit.costmodel_gpt import gpt_extra_comms
+
+            gpt_extra_comms(b, cfg, global_batch * seq_len, nbytes, gspmd)
         return _merge(b.rows)
     b = _Builder(mesh, ("tensor", "fsdp", "data"), backend)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
