@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from shardkit.errors import ShardkitError
@@ -146,6 +146,20 @@ def tp3d_layer_comms(
     b.add("all-reduce", "data", block / gz, 1, f"{what}: dW shard AR over data")
 
 
+#: shards of the parameters (and of gradients / optimizer state) per strategy, from (data, fsdp, tensor, 3D grid)
+_STATE_DEGREE: dict[str, Callable[[int, int, int, int], int]] = {
+    "dp": lambda d, f, t, g3: 1,
+    "zero1": lambda d, f, t, g3: 1,
+    "fsdp": lambda d, f, t, g3: f,
+    "tp": lambda d, f, t, g3: t,
+    "tp_sp": lambda d, f, t, g3: t,
+    "fsdp_tp": lambda d, f, t, g3: f * t,
+    "dp_fsdp_tp": lambda d, f, t, g3: f * t,
+    "tp3d": lambda d, f, t, g3: g3,
+}
+_MODELLED = ", ".join(_STATE_DEGREE)
+
+
 def strategy_comms(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
     backend: str = "gpu", gspmd: bool = False,
@@ -179,18 +193,24 @@ def strategy_comms(
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
     act = global_batch // (d * f) * seq_len * e * nbytes
     shard = psi * nbytes / (t * f)
-    if strategy == "fsdp":
+    if strategy not in _STATE_DEGREE:
+        raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
+    if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
         b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
         b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
         b.add("reduce-scatter", "fsdp", psi * nbytes / t, 1, "gradients", gspmd=True)
-    if strategy in ("tp", "tp_sp"):
+    if strategy in ("tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp"):
         n = 4 * L + 2
-        if strategy == "tp":
+        if strategy != "tp_sp":
             b.add("all-reduce", "tensor", act * n, n, "Megatron f / g")
         else:
             b.add("all-gather", "tensor", act * n, n, "SP all-gathers")
             b.add("reduce-scatter", "tensor", act * n, n, "SP reduce-scatters", gspmd=True)
-    b.add("all-reduce", "data", shard, 1, "gradients over data")
+    if strategy == "zero1":  # gradients reduce-scattered onto the optimizer-state shards, parameters gathered back
+        b.add("reduce-scatter", "data", shard, 1, "gradients onto optimizer-state shards", gspmd=True)
+        b.add("all-gather", "data", shard, 1, "updated parameters")
+    else:
+        b.add("all-reduce", "data", shard, 1, "gradients over data")
     return _merge(b.rows)
 
 
@@ -232,9 +252,11 @@ def memory(
     c = _cfg(cfg)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
     gx, gy, gz, gd = (mesh.get(a, 1) for a in TP3D_ORDER)
-    state_deg = {"dp": 1, "fsdp": f, "tp": t, "tp_sp": t, "tp3d": gx * gy * gz}[strategy]
+    if strategy not in _STATE_DEGREE:
+        raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
+    state_deg = _STATE_DEGREE[strategy](d, f, t, gx * gy * gz)
     batch_deg = {"tp3d": gd * gz}.get(strategy, d * f)
-    embed_split, head_split = {"tp": (1, t), "tp_sp": (t, t), "tp3d": (gx, gy)}.get(strategy, (1, 1))
+    embed_split, head_split = {"tp_sp": (t, t), "tp3d": (gx, gy)}.get(strategy, (1, t))
     psi = num_params(cfg) / state_deg
     tokens = global_batch / batch_deg * seq_len
     if getattr(cfg, "remat", "none") == "full":  # only each block's input is saved (Korthikanti: 2sbh)
@@ -242,7 +264,8 @@ def memory(
     else:
         acts = c["num_layers"] * activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes)
     acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax
-    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
+    opt = (16 - 2 * nbytes) * psi / (d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
+    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": opt, "activations": acts}
     return {**mem, "total": sum(mem.values())}
 
 

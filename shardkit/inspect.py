@@ -6,8 +6,8 @@
 Collectives come from the partitioned HLO (`shardkit.hlo.collectives`: replica groups mapped back to mesh axes,
 loop bodies multiplied by their trip counts, ring bytes sent per device). Memory comes from
 `compiled.memory_analysis()`, with parameters and optimizer state split out from the state's shardings.
-Predictions: `shardkit.costmodel` for the strategies it models (dp, fsdp, tp, tp_sp, tp3d); for fsdp_tp,
-dp_fsdp_tp and zero1 the closed forms of ALGORITHMS.md §1–2 composed from the same formulas; else none.
+Predictions: `shardkit.costmodel` for the strategies it models (dp, zero1, fsdp, tp, tp_sp, fsdp_tp, dp_fsdp_tp,
+tp3d); none for the others.
 
 A plan for a mesh larger than the machine is explained on a smaller mesh (`explain(..., target_mesh=...)`,
 see experiments/explain.py) and its figures scaled: parameters and optimizer state exactly from the shardings'
@@ -27,7 +27,7 @@ import numpy as np
 
 from shardkit import costmodel, hlo
 
-_COSTMODEL = ("dp", "fsdp", "tp", "tp_sp", "tp3d")
+_COSTMODEL = ("dp", "zero1", "fsdp", "tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp", "tp3d")
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
 _PRED_OF = {"parameters": ("params",), "optimizer_state": ("optimizer",), "temporaries": ("grads", "activations"),
             "outputs": ("params", "optimizer")}  # fmt: skip
@@ -48,27 +48,13 @@ def predict(
 ) -> tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], str] | None:
     """(kind, axis) -> (count, bytes per device), memory per device, and the source; None if nothing models it."""
     # tp3d under the GSPMD rules (strategies.py): its depth reduce-scatter is GSPMD's, an all-reduce on CPU
-    sc = lambda s: costmodel.strategy_comms(s, cfg, mesh, global_batch, seq_len, nbytes, backend, gspmd=s == "tp3d")
-    mem = lambda s: costmodel.memory(s, cfg, mesh, global_batch, seq_len, nbytes)
-    if strategy in _COSTMODEL:
-        comms, memory, source = sc(strategy), mem(strategy), f"shardkit.costmodel ({strategy}, backend {backend})"
-    elif strategy in ("fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp of the 1/t Megatron shard + Megatron over tensor
-        comms = sc("fsdp") + [c for c in sc("tp") if c.axis == "tensor"]
-        f = mesh.get("fsdp", 1)
-        memory = {k: v / (f if k in ("params", "grads", "optimizer") else 1) for k, v in mem("tp").items()}
-        source = f"closed form, ALGORITHMS.md §1–2: fsdp over 'fsdp' + Megatron over 'tensor' (backend {backend})"
-    elif strategy == "zero1":  # gradient all-reduce, optimizer state sharded over data, parameter all-gather
-        d, psi = mesh.get("data", 1), costmodel.num_params(cfg)
-        comms = [c for c in sc("dp")]
-        if d > 1:
-            comms.append(
-                costmodel.Comm("all-gather", "data", d, 1, 1, costmodel.ring_factor("all-gather", d) * psi * nbytes)
-            )
-        memory = dict(mem("dp"), optimizer=mem("dp")["optimizer"] / d)
-        source = f"closed form, ALGORITHMS.md §1–2: ZeRO-1 over 'data' (backend {backend})"
-    else:
+    if strategy not in _COSTMODEL:
         return None
+    gspmd = strategy == "tp3d"
+    comms = costmodel.strategy_comms(strategy, cfg, mesh, global_batch, seq_len, nbytes, backend, gspmd=gspmd)
+    memory = costmodel.memory(strategy, cfg, mesh, global_batch, seq_len, nbytes)
     memory = {k: v for k, v in memory.items() if k != "total"}
+    source = f"shardkit.costmodel ({strategy}, backend {backend})"
     out: dict[tuple[str, str], tuple[int, float]] = {}
     for c in comms:
         n, b = out.get((c.kind, c.axis), (0, 0.0))

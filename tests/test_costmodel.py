@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from common import TINY
 from jax.sharding import NamedSharding
 
 import shardkit as sk
@@ -166,3 +167,20 @@ def test_plan_bad_input(kwargs, match):
     args = {"devices": 8, "hardware": "perlmutter", "global_batch": 8, "seq_len": 16, **kwargs}
     with pytest.raises(sk.ShardkitError, match=match):
         cm.plan(STACK, **args)
+
+
+def test_combined_strategies_compose_their_parts_and_unknown_ones_are_refused():
+    """fsdp_tp = fsdp's rows over fsdp + tp's rows over tensor; ZeRO-1 = dp with the gradient all-reduce split
+    into a reduce-scatter and a parameter all-gather (same bytes); optimizer state 1/data per device."""
+
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
+    rows = lambda s, m=mesh: {(c.kind, c.axis): c.bytes for c in cm.strategy_comms(s, TINY, m, 16, 32, 4, "gpu")}
+    both, fsdp, tp = rows("dp_fsdp_tp"), rows("fsdp"), rows("tp")
+    assert {k: v for k, v in both.items() if k[1] == "fsdp"} == {k: v for k, v in fsdp.items() if k[1] == "fsdp"}
+    assert {k: v for k, v in both.items() if k[1] == "tensor"} == {k: v for k, v in tp.items() if k[1] == "tensor"}
+    z, dp = rows("zero1", {"data": 8}), rows("dp", {"data": 8})
+    assert z[("reduce-scatter", "data")] + z[("all-gather", "data")] == pytest.approx(dp[("all-reduce", "data")])
+    zmem, dpmem = (cm.memory(s, TINY, {"data": 8}, 16, 32, 4) for s in ("zero1", "dp"))
+    assert zmem["optimizer"] * 8 == pytest.approx(dpmem["optimizer"]) and zmem["params"] == dpmem["params"]
+    with pytest.raises(sk.ShardkitError, match=r"no formula for strategy 'sp_zigzag'"):
+        cm.strategy_comms("sp_zigzag", TINY, {"seq": 8}, 16, 32)
