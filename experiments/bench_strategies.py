@@ -11,7 +11,7 @@ its usual mesh, plus the same model on one device (mesh data=1, dp) as the refer
    and under tp / tp_sp the RMSNorm scales (they have only an `embed` dimension, which tp does not shard).
 2. temp / arg: `compiled.memory_analysis()` per device (XLA's scratch and argument buffers).
 3. comm: ring bytes sent per device per step, summed over the collectives of the compiled HLO (shardkit.hlo),
-   against two analytical formulas built from ALGORITHMS.md §1 (see `comm_formula`): `ideal` counts a
+   against the cost model's prediction (`shardkit.costmodel.strategy_comms`, ALGORITHMS.md §1): `ideal` counts a
    reduce-scatter where the algorithm has one, `cpu` counts it as the all-reduce (+ dynamic-slice) that XLA's
    CPU backend emits instead (it has no reduce-scatter creation pass), i.e. twice the bytes.
 4. step time: median of `--steps` timed steps after one warm-up, `jax.block_until_ready`, and its speed-up
@@ -77,63 +77,16 @@ def tree_bytes(tree: Any, per_device: bool) -> int:
     return sum(x.addressable_shards[0].data.nbytes if per_device else x.nbytes for x in leaves)
 
 
-def ag(p: int) -> float:
-    """Ring all-gather / reduce-scatter volume per device, as a fraction of the full buffer (§1)."""
-    return (p - 1) / p
-
-
-def ar(p: int) -> float:
-    """Ring all-reduce volume per device: reduce-scatter + all-gather (§1)."""
-    return 2 * (p - 1) / p
-
-
-def comm_formula(name: str, shape: dict[str, int], psi: float, psi_dev: float, psi_dev_blocks: float) -> list[dict]:
-    """The analytical per-device bytes per step, as terms {what, ideal, cpu}.
-
-    psi: one full fp32 copy of the parameters; psi_dev: one device's parameter shard (what is left after fsdp
-    and tensor sharding, = psi for dp / zero1); psi_dev_blocks: the part of psi_dev in the stacked blocks.
-    A = one activation [batch / (data·fsdp), seq, d_model] in fp32.
-
-    - data (d): gradients are replicated over data, so each device all-reduces its own shard once:
-      ar(d)·psi_dev. ZeRO-1 then all-gathers the updated parameters from the optimizer-state shards: ag(d)·psi.
-    - fsdp (f): every leaf has an `embed` dimension sharded over fsdp, so the gathered size is psi_f = f·psi_dev
-      (the full parameters for fsdp, the device's 1/t slice for fsdp_tp). Forward all-gathers all of it,
-      backward all-gathers the block weights again (the scan does not save them; embedding and head are
-      gathered once), and gradients are reduce-scattered: ag(f)·(2·psi_f + psi_f_blocks) ideally; on CPU the
-      reduce-scatter is an all-reduce: ag(f)·(psi_f + psi_f_blocks) + ar(f)·psi_f.
-      With data and fsdp both present the gradient reduction is hierarchical (RS over fsdp, AR over data);
-      a flat AR over data x fsdp has the same ring volume: 2 - 2/(df) = ar(f) + ar(d)/f.
-    - tensor (t), Megatron: per layer f and g all-reduce A once forward and once backward each (4 per layer),
-      plus the vocab-parallel embedding's partial sums (forward) and the vocab-parallel head's input gradient
-      (backward): (4L + 2)·ar(t)·A. With sequence parallelism each all-reduce becomes an all-gather +
-      reduce-scatter pair on the sequence-sharded residual: same ideal bytes, (4L + 2)·(ag(t) + ar(t))·A on CPU.
-    Not in the formulas (seen in the HLO, KiB or less): the loss and grad-norm scalars, the vocab-parallel
-    cross-entropy's max / sum / target-logit all-reduces of [b, s] floats (tp family), the RMSNorm-scale
-    gradient all-reduces over tensor under tp_sp (norms see a sequence shard there).
-    """
-    d, f, t = (shape.get(a, 1) for a in ("data", "fsdp", "tensor"))
-    act = BATCH // (d * f) * SEQ * CFG.d_model * 4
-    terms: list[dict] = []
-
-    def add(what: str, ideal: float, cpu: float | None = None) -> None:
-        terms.append({"what": what, "ideal": ideal, "cpu": ideal if cpu is None else cpu})
-
-    if d > 1:
-        add("gradient all-reduce over data of the device's shard: ar(d)·psi_dev", ar(d) * psi_dev)
-    if name == "zero1":
-        add("all-gather of updated parameters over data: ag(d)·psi", ag(d) * psi)
-    if f > 1:
-        psi_f, psi_f_blocks = f * psi_dev, f * psi_dev_blocks
-        add("parameter all-gather forward over fsdp: ag(f)·psi_f", ag(f) * psi_f)
-        add("block-parameter all-gather backward over fsdp: ag(f)·psi_f_blocks", ag(f) * psi_f_blocks)
-        add("gradient reduce-scatter over fsdp: ag(f)·psi_f (cpu: ar(f)·psi_f)", ag(f) * psi_f, ar(f) * psi_f)
-    if t > 1:
-        n = 4 * CFG.num_layers + 2
-        if name == "tp_sp":
-            add("(4L+2) all-gather + reduce-scatter pairs of A over tensor (cpu: RS as all-reduce)",
-                n * 2 * ag(t) * act, n * (ag(t) + ar(t)) * act)  # fmt: skip
-        else:
-            add("(4L+2) all-reduces of A over tensor: (4L+2)·ar(t)·A", n * ar(t) * act)
+def comm_formula(name: str, shape: dict[str, int]) -> list[dict]:
+    """The cost model's per-device bytes per step (`shardkit.costmodel.strategy_comms`, ALGORITHMS.md §1), as terms
+    {what, ideal, cpu}: `ideal` models reduce-scatters as reduce-scatters (backend "gpu"), `cpu` as the all-reduce
+    + dynamic-slice XLA:CPU emits (backend "cpu"). Not in the model (seen in the HLO, KiB or less): the loss and
+    grad-norm scalars, the vocab-parallel cross-entropy's all-reduces of [b, s] floats (tp family), the
+    RMSNorm-scale gradient all-reduces over tensor under tp_sp."""
+    terms = []
+    for backend in ("gpu", "cpu"):
+        for c in sk.costmodel.strategy_comms(name, CFG, shape, BATCH, SEQ, nbytes=4, backend=backend):
+            terms.append({"what": f"{c.kind} over {c.axis}: {c.what}", "backend": backend, "bytes": c.bytes})
     return terms
 
 
@@ -156,15 +109,14 @@ def run(name: str, spec: str, steps: int, devices: list[Any] | None = None) -> d
 
     psi, opt_total = tree_bytes(state.params, False), tree_bytes(state.opt_state, False)
     psi_dev, opt_dev = tree_bytes(state.params, True), tree_bytes(state.opt_state, True)
-    psi_dev_blocks = tree_bytes(state.params["blocks"], True)
     pdeg, odeg = DEGREES.get(name, (1, 1)) if mesh.size > 1 else (1, 1)
     ideal_state = psi / pdeg + opt_total / odeg
     mem = compiled.memory_analysis()
 
     colls = hlo.collectives(compiled, mesh)
     measured = sum(c.bytes_sent for c in colls)
-    terms = comm_formula(name, dict(mesh.shape), psi, psi_dev, psi_dev_blocks) if mesh.size > 1 else []
-    ideal_comm, cpu_comm = sum(x["ideal"] for x in terms), sum(x["cpu"] for x in terms)
+    terms = comm_formula(name, dict(mesh.shape)) if mesh.size > 1 else []
+    ideal_comm, cpu_comm = (sum(x["bytes"] for x in terms if x["backend"] == b) for b in ("gpu", "cpu"))
 
     times = []
     for i in range(steps + 1):  # the first call is the warm-up

@@ -8,7 +8,7 @@ Takes the same config files and `--config.x` flags as `experiments.train`, but r
 parameters: the train step is built from the abstract model and compiled for ShapeDtypeStructs that carry their
 shardings. A mesh larger than this machine (a 256-device plan on a laptop) cannot be compiled here: it says so,
 compiles on the largest mesh with the same axis proportions that fits (else with the largest axes halved), and
-prints the figures scaled to the requested mesh, labelled SCALED (method in shardkit/inspect.py).
+prints the figures scaled to the requested mesh, labelled SCALED (method in shardkit/explain.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import shardkit as sk
 from experiments import data, runtime
 from experiments import train as tr  # sets XLA_FLAGS (virtual CPU devices) before jax is imported
 from models.gpt import GPT
-from shardkit.inspect import Report, explain
+from shardkit.explain import Report, explain
 from shardkit.mesh import parse_spec, resolve_axes
 
 _JSON = flags.DEFINE_string("json", "", "also write the report as JSON to this path")

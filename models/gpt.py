@@ -63,6 +63,19 @@ class GPTConfig:
         n = self.num_params(include_embedding=False) + (self.d_model * self.vocab_size if self.tie_embeddings else 0)
         return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
 
+    def cost_model(
+        self, strategy: str, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+    ) -> tuple[list, dict[str, float], str] | None:
+        """`sk.explain`'s hook: (collectives, memory, source) of one train step from the GPT formulas of
+        `shardkit.costmodel` (activations included); None for a strategy they do not cover (explain then falls
+        back to the parameter traffic implied by the rules tables)."""
+        if strategy not in sk.costmodel.MODELLED:
+            return None
+        batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
+        comms = sk.costmodel.strategy_comms(strategy, self, mesh, batch, seq, nbytes, backend, gspmd=strategy == "tp3d")
+        memory = sk.costmodel.memory(strategy, self, mesh, batch, seq, nbytes)
+        return comms, memory, f"shardkit.costmodel ({strategy}, backend {backend})"
+
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:
     value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.dtype(cfg.param_dtype))
@@ -73,19 +86,25 @@ def _ones(shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig) -> nnx.Pa
     return nnx.Param(jnp.ones(tuple(shape), jnp.dtype(cfg.param_dtype)), logical_axes=axes)
 
 
+def _f32(dtype: jnp.dtype) -> jnp.dtype:
+    """At least fp32 for norms, RoPE and logits (bf16 compute stays accurate; fp64 under x64 stays fp64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(_f32(x.dtype))
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (y * scale.astype(x32.dtype)).astype(x.dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding of x [b, s, heads, d] at integer positions [b, s] (Su et al. 2104.09864)."""
     half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None, None] * freq  # [b, s, 1, d/2]
+    f32 = _f32(x.dtype)
+    freq = theta ** (-jnp.arange(half, dtype=f32) / half)
+    angle = positions.astype(f32)[..., None, None] * freq  # [b, s, 1, d/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    x1, x2 = x[..., :half].astype(f32), x[..., half:].astype(f32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -143,8 +162,20 @@ def _stack_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
     return blocks
 
 
+def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of {"inputs", "targets"[, "positions", "segment_ids"]}, all [B, T]."""
+    extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
+    return sk.train.cross_entropy(model(batch["inputs"], **extra), batch["targets"])
+
+
 class GPT(nnx.Module):
-    """GPT(config, rngs=nnx.Rngs(0))(tokens int32[batch, seq]) -> logits float32[batch, seq, vocab]."""
+    """GPT(config, rngs=nnx.Rngs(0))(tokens int32[batch, seq]) -> logits float32[batch, seq, vocab].
+
+    `sk.make_train_step(gpt, ...)` trains it with `GPT.loss` (= `lm_loss`) on batches whose entries are all
+    [batch, seq] (`batch_axes`); a context-parallel strategy shards their `seq` dimension too.
+    """
+
+    batch_axes = (BATCH, SEQ)
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -169,5 +200,8 @@ class GPT(nnx.Module):
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=_f32(dt))
         return sk.constrain(logits, (BATCH, SEQ, VOCAB))
+
+    def loss(self, batch: dict[str, jax.Array]) -> jax.Array:
+        return lm_loss(self, batch)

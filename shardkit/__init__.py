@@ -1,11 +1,18 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
-from shardkit import attention, checkpoint, collectives, costmodel, inspect, layers, pipeline, tensor3d
+from shardkit import attention, checkpoint, collectives, costmodel, kernels, layers, pipeline, tensor3d, train
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.errors import ShardkitError
-from shardkit.init import abstract_model, param_logical_axes, param_shardings, sharded_init
-from shardkit.inspect import explain
+from shardkit.explain import explain  # the function; the module is shardkit.explain in sys.modules
+from shardkit.init import (
+    abstract_model,
+    from_linen,
+    param_logical_axes,
+    param_shardings,
+    sharded_init,
+    state_logical_axes,
+)
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
 from shardkit.rules import constrain, logical_to_spec, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
@@ -29,7 +36,8 @@ __all__ = [
     "constrain",
     "costmodel",
     "explain",
-    "inspect",
+    "from_linen",
+    "kernels",
     "layers",
     "load_preset",
     "logical_to_spec",
@@ -42,7 +50,9 @@ __all__ = [
     "plan",
     "register_strategy",
     "sharded_init",
+    "state_logical_axes",
     "strategy",
     "tensor3d",
+    "train",
     "use_rules",
 ]

@@ -157,7 +157,8 @@ _STATE_DEGREE: dict[str, Callable[[int, int, int, int], int]] = {
     "dp_fsdp_tp": lambda d, f, t, g3: f * t,
     "tp3d": lambda d, f, t, g3: g3,
 }
-_MODELLED = ", ".join(_STATE_DEGREE)
+MODELLED = tuple(_STATE_DEGREE)  #: the strategies the GPT formulas below cover
+_MODELLED = ", ".join(MODELLED)
 
 
 def strategy_comms(

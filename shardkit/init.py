@@ -2,6 +2,12 @@
 
 The unsharded model never exists: every device computes only its own shard of every parameter, and the
 values equal a single-device initialisation from the same seed (threefry is partitionable).
+
+Logical names are read from a variable's metadata as shardkit writes them (`nnx.Param(v, logical_axes=...)`)
+or as Flax writes them (`nnx.with_partitioning(init, ("embed", "mlp"))` -> `out_sharding`; `sharding_names` /
+`sharding` are Flax's older spellings; Linen's `nn.with_logical_partitioning` arrives as `out_sharding` through
+`nnx.bridge`). Flax would shard such variables eagerly, at creation, taking the logical names for mesh axes;
+shardkit builds models with eager sharding off and resolves the names through the strategy's rules instead.
 """
 
 from __future__ import annotations
@@ -18,70 +24,155 @@ from shardkit.rules import Rules, named_sharding
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
 
+#: Metadata keys that may hold a variable's logical names, in the order they are looked up.
+NAME_KEYS = ("logical_axes", "out_sharding", "sharding_names", "sharding")
+
+
+def _key(k: Any) -> Any:
+    return getattr(k, "key", getattr(k, "idx", k))
+
 
 def _path_str(path: tuple[Any, ...]) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(_key(k)) for k in path)
+
+
+def _no_eager() -> Any:
+    """Flax's eager sharding off: names are resolved by shardkit's rules, not taken as mesh axes."""
+    return nnx.use_eager_sharding(False)
 
 
 def abstract_model(make_model: Callable[[nnx.Rngs], nnx.Module], seed: int = 0) -> nnx.Module:
     """The model with ShapeDtypeStruct leaves: shapes and metadata, no memory."""
-    return nnx.eval_shape(lambda: make_model(nnx.Rngs(seed)))
+    with _no_eager():
+        return nnx.eval_shape(lambda: make_model(nnx.Rngs(seed)))
 
 
-def param_logical_axes(model_or_state: nnx.Module | nnx.State) -> dict[str, Any]:
-    """A pure dict (the structure of `nnx.to_pure_dict(state)`) of each parameter's logical axis names.
+def logical_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
+    """A variable's logical axis names from its metadata (shardkit's or Flax's key), or None if it has none."""
+    meta = var.get_metadata()
+    for key in NAME_KEYS:
+        names = meta.get(key)
+        if names:
+            if isinstance(names, jax.sharding.PartitionSpec):
+                names = tuple(names)
+            return tuple(names)
+    return None
 
-    Raises ShardkitError for a parameter without `logical_axes` metadata (no silent replication) and for
-    model state that is not an `nnx.Param` (the train step handles parameters only).
+
+def _variables(state: nnx.State) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
+    return jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _nest(out: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    node = out
+    for key in path[:-1]:
+        node = node.setdefault(_key(key), {})
+    node[_key(path[-1])] = value
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, parameters, the rest): BatchNorm statistics, RNG streams, any other nnx.Variable."""
+    return nnx.split(model, nnx.Param, ...)
+
+
+def state_logical_axes(state: nnx.State, *, require: bool = True) -> dict[str, Any]:
+    """A pure dict (the structure of `nnx.to_pure_dict(state)`) of each variable's logical axis names.
+
+    With `require` (parameters) a variable without names for every dimension is a ShardkitError naming its
+    path (no silent replication; scalars need none). Without it (BatchNorm statistics, RNG counters) an
+    unnamed variable is replicated: it is small, and every device must hold the same value.
     """
-    state = nnx.split(model_or_state)[1] if isinstance(model_or_state, nnx.Module) else model_or_state
     out: dict[str, Any] = {}
-    leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    for path, var in leaves:
-        where = _path_str(path)
-        if not isinstance(var, nnx.Param):
+    for path, var in _variables(state):
+        shape = tuple(getattr(var.get_value(), "shape", ()))
+        names = logical_names(var)
+        if names is None and (not require or not shape):
+            names = (None,) * len(shape)
+        if names is None or len(names) != len(shape):
             raise ShardkitError(
-                f"model state {where!r} is a {type(var).__name__}, not an nnx.Param; shardkit's train step "
-                "handles parameters only — keep RNG streams and other state outside the module"
+                f"{type(var).__name__} {_path_str(path)!r} of shape {shape} has logical names {names!r}; give every "
+                "parameter one logical name (or None) per dimension: nnx.with_partitioning(init, ('embed', 'mlp')) "
+                "as Flax writes it, or nnx.Param(value, logical_axes=('embed', 'mlp'))"
             )
-        axes = var.get_metadata().get("logical_axes")
-        shape = var.get_value().shape
-        if axes is None or len(axes) != len(shape):
-            raise ShardkitError(
-                f"parameter {where!r} of shape {tuple(shape)} has logical_axes={axes!r}; give every parameter "
-                f"one logical name per dimension, e.g. nnx.Param(value, logical_axes=('embed', 'mlp'))"
-            )
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(getattr(key, "key", getattr(key, "idx", key)), {})
-        last = path[-1]
-        node[getattr(last, "key", getattr(last, "idx", last))] = tuple(axes)
+        _nest(out, path, names)
     return out
 
 
-def param_shardings(abstract: nnx.Module | nnx.State, rules: Rules, mesh: Mesh) -> dict[str, Any]:
-    """A pure dict of NamedShardings for the parameters, checked (path, shape, axis) against the mesh."""
-    state = nnx.split(abstract)[1] if isinstance(abstract, nnx.Module) else abstract
+def param_logical_axes(model_or_state: nnx.Module | nnx.State) -> dict[str, Any]:
+    """Logical names of the parameters (nnx.Param) of a model or state, as a pure dict; see state_logical_axes."""
+    if isinstance(model_or_state, nnx.Module):
+        model_or_state = split_params(model_or_state)[1]
+    params = nnx.filter_state(model_or_state, nnx.Param) if _has_other(model_or_state) else model_or_state
+    return state_logical_axes(params, require=True)
+
+
+def _has_other(state: nnx.State) -> bool:
+    return any(not isinstance(v, nnx.Param) for _, v in _variables(state))
+
+
+def state_shardings(state: nnx.State, rules: Rules, mesh: Mesh, *, require: bool = True) -> dict[str, Any]:
+    """A pure dict of NamedShardings for `state`, checked (path, shape, axis) against the mesh."""
     shapes = nnx.to_pure_dict(state)
-    logical = param_logical_axes(state)
+    logical = state_logical_axes(state, require=require)
+    kind = "parameter" if require else "variable"
     return jax.tree_util.tree_map_with_path(
-        lambda path, names, sds: named_sharding(names, rules, mesh, sds.shape, what=f"parameter {_path_str(path)!r}"),
+        lambda path, names, sds: named_sharding(names, rules, mesh, sds.shape, what=f"{kind} {_path_str(path)!r}"),
         logical,
         shapes,
         is_leaf=lambda x: isinstance(x, tuple),
     )
 
 
+def param_shardings(abstract: nnx.Module | nnx.State, rules: Rules, mesh: Mesh) -> dict[str, Any]:
+    """A pure dict of NamedShardings for the parameters, checked (path, shape, axis) against the mesh."""
+    state = split_params(abstract)[1] if isinstance(abstract, nnx.Module) else abstract
+    if _has_other(state):
+        state = nnx.filter_state(state, nnx.Param)
+    return state_shardings(state, rules, mesh, require=True)
+
+
 def sharded_init(
     make_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh, strategy: str | Strategy, seed: int = 0
 ) -> nnx.Module:
-    """Builds `make_model(nnx.Rngs(seed))` directly sharded by the strategy's parameter rules."""
+    """Builds `make_model(nnx.Rngs(seed))` directly sharded by the strategy's parameter rules.
+
+    Parameters take the parameter rules; other state (BatchNorm statistics, RNG streams) the same rules where
+    it has logical names, else it is replicated.
+    """
     bound = get_strategy(strategy).bind(mesh)
-    graphdef, abs_state = nnx.split(abstract_model(make_model, seed))
-    shardings = param_shardings(abs_state, bound.param_rules, mesh)
+    graphdef, abs_params, abs_rest = split_params(abstract_model(make_model, seed))
+    shardings = (
+        state_shardings(abs_params, bound.param_rules, mesh, require=True),
+        state_shardings(abs_rest, bound.param_rules, mesh, require=False),
+    )
 
-    def create() -> dict[str, Any]:
-        return nnx.to_pure_dict(nnx.split(make_model(nnx.Rngs(seed)))[1])
+    def create() -> tuple[dict[str, Any], dict[str, Any]]:
+        with _no_eager():
+            _, params, rest = split_params(make_model(nnx.Rngs(seed)))
+        return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
-    params = jax.jit(create, out_shardings=shardings)()
-    return nnx.merge(graphdef, params)
+    params, rest = jax.jit(create, out_shardings=shardings)()
+    with _no_eager():
+        return nnx.merge(graphdef, params, rest)
+
+
+def from_linen(
+    module: Any, example_inputs: Any, mesh: Mesh, strategy: str | Strategy, *, seed: int = 0, **call_kwargs: Any
+) -> nnx.Module:
+    """A Linen module as a sharded NNX model (`nnx.bridge.ToNNX`), ready for `make_train_step`.
+
+    `example_inputs` (an array or a tuple of positional arguments) and `call_kwargs` are what the module's
+    `__call__` takes; they fix the shapes of the variables, as `module.init` would. Names from Linen's
+    `nn.with_logical_partitioning` are honoured (they arrive as Flax's `out_sharding` metadata); Linen's
+    collections other than `params` (`batch_stats`, ...) become model state. Call the model inside `loss_fn` as
+    Linen's `apply` would be called: `model(x, train=True, mutable=["batch_stats"])` updates the statistics
+    (the step carries them); Linen RNG streams (dropout) come from the bridge's own counter, advanced per call.
+    """
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        model = nnx.bridge.ToNNX(module, rngs=rngs)
+        nnx.bridge.lazy_init(model, *args, **call_kwargs)
+        return model
+
+    return sharded_init(make, mesh, strategy, seed=seed)

@@ -6,7 +6,7 @@ Models keep their blocks as one module whose parameters have a leading `layers` 
 
 with `block_fn(layer_state, x, *args) -> x`; `args` are per-example arrays ([batch, ...], or None) that travel
 with `x`. The default kernel is a `lax.scan` (compile time independent of depth). A strategy whose `layers`
-field names another registered kernel (e.g. a pipeline schedule) gets the same call instead.
+kernel table names another `layers` kernel (e.g. a pipeline schedule) gets the same call instead.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 
+from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.rules import current_context
 
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "none": None,
@@ -27,15 +27,12 @@ REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
 
 BlockFn = Callable[..., jax.Array]
 StackKernel = Callable[..., jax.Array]
-_KERNELS: dict[str, StackKernel] = {}
 
 
 def register_stack(name: str, fn: StackKernel) -> None:
-    """A strategy with `layers=name` makes `apply_stack` call `fn(block_fn, stacked, x, *args, remat, context)`.
-
-    A name may carry options after a colon ("pipeline:1f1b"); the registry is looked up by the part before it.
-    """
-    _KERNELS[name] = fn
+    """A strategy with `kernels={"layers": name}` makes `apply_stack` call
+    `fn(block_fn, stacked, x, *args, remat, context)`; a name may carry options after a colon ("pipeline:1f1b")."""
+    kernels.register("layers", name, fn)
 
 
 def scan_stack(
@@ -58,9 +55,5 @@ def apply_stack(block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat
     """Applies the L stacked layers to x with the kernel the active strategy chose (default: scan)."""
     if remat not in REMAT_POLICIES:
         raise ShardkitError(f"remat={remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
-    ctx = current_context()
-    name = dict(ctx.options).get("layers", "scan") if ctx is not None else "scan"
-    kernel = _KERNELS.get(name.split(":")[0])
-    if kernel is None:
-        raise ShardkitError(f"layer-stack kernel {name!r} is not registered; available: {', '.join(_KERNELS)}")
-    return kernel(block_fn, stacked, x, *args, remat=remat, context=ctx)
+    kernel, _, ctx = kernels.active("layers")
+    return kernel.fn(block_fn, stacked, x, *args, remat=remat, context=ctx)

@@ -279,7 +279,7 @@ def pipeline_stack(
     block_fn: Callable, stacked: Any, x: jax.Array, *args: Any, remat: str = "none", context: Any = None
 ) -> jax.Array:
     """The `register_stack("pipeline", ...)` kernel: x [B, ...] -> x [B, ...] through L layers on p stages."""
-    name = dict(context.options).get("layers", "pipeline") if context is not None else "pipeline"
+    name = context.kernels.get("layers", "pipeline") if context is not None else "pipeline"
     p = context.mesh.shape.get(AXIS, 1) if context is not None else 1
     kind, m, v = parse(name, p)
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
@@ -311,7 +311,7 @@ def pipeline_stack(
     def stage_fn(w: Any, h: jax.Array, *a: jax.Array) -> jax.Array:
         """k layers on one microbatch, constrained on the abstract mesh in which `stage` and `batch` are manual."""
         mesh = jax.sharding.get_abstract_mesh()
-        with use_rules(mesh, rules, context.attention, **dict(context.options)):
+        with use_rules(mesh, rules, kernels=context.kernels):
             return scan_stack(block_fn, w, h, *_refill(args, keep, a), remat=remat)
 
     manual, rows = {AXIS, *batch}, P(None, batch or None)  # rows: [m, b, ...] with b split over `batch`

@@ -107,26 +107,54 @@ def named_sharding(
 
 @dataclasses.dataclass(frozen=True)
 class ShardingContext:
-    """What `constrain` and `shardkit.attention` consult while a step is traced."""
+    """What `constrain` and the kernel slots (`shardkit.kernels`) consult while a step is traced."""
 
     mesh: Mesh
     rules: dict[str, MeshAxes]
-    attention: str = "dense"
-    options: tuple[tuple[str, Any], ...] = ()
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # slot -> kernel name
+
+    @property
+    def attention(self) -> str:
+        return self.kernels.get("attention", "dense")
+
+    @property
+    def options(self) -> tuple[tuple[str, Any], ...]:
+        """The kernel table as sorted items (older spelling of `kernels`)."""
+        return tuple(sorted(self.kernels.items()))
 
 
 _CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar("shardkit_rules", default=None)
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: Rules, attention: str = "dense", **options: Any) -> Iterator[ShardingContext]:
-    """Activates compute rules (and kernel choices) for `constrain` / `shardkit.attention` in this block."""
-    ctx = ShardingContext(mesh, dict(rules), attention, tuple(sorted(options.items())))
+def use_rules(
+    mesh: Mesh, rules: Rules, attention: str | None = None, *, kernels: Mapping[str, str] | None = None, **more: str
+) -> Iterator[ShardingContext]:
+    """Activates compute rules and kernel choices for `constrain` and the kernel slots in this block.
+
+    `kernels` maps slot -> kernel name (a strategy's `kernels` table); `attention=` and other keywords
+    (`layers="pipeline:1f1b"`) are shorthands for entries of it.
+    """
+    table = {**(kernels or {}), **more, **({"attention": attention} if attention is not None else {})}
+    ctx = ShardingContext(mesh, dict(rules), table)
     token = _CONTEXT.set(ctx)
     try:
         yield ctx
     finally:
         _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def flax_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Flax's logical-axis rules and an abstract mesh set from `rules`, while a step is traced.
+
+    Without both, `flax.linen.with_logical_constraint` (in Linen modules and NNX ones alike) and Linen's
+    `nn.with_logical_partitioning` boxes are silent no-ops; with them they pin activations like `constrain`.
+    """
+    from flax import linen as nn  # flax.linen only where it is needed
+
+    with nn.logical_axis_rules(list(rules.items())), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
 
 
 def current_context() -> ShardingContext | None:

@@ -22,8 +22,11 @@ from jax.sharding import Mesh
 from shardkit.errors import ShardkitError
 from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh
 
-#: Logical names of the GPT in models/ (models/axes.py) — every strategy must say what each one does.
-LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+#: Logical names the models in models/ use (models/axes.py) — every strategy says what each one does: the
+#: transformer's, then the CNNs' (`depth` is a volume's third spatial dimension; `classes` a classifier's output).
+#: A model with names of its own extends a strategy: `sk.strategy("fsdp").extend(my_name=None)`.
+LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+                "height", "width", "depth", "channels", "classes")  # fmt: skip
 _REPLICATED: dict[str, MeshAxes] = dict.fromkeys(LOGICAL_AXES)
 
 
@@ -36,24 +39,74 @@ class Strategy:
     compute_rules: Mapping[str, MeshAxes]
     opt_rules: Mapping[str, MeshAxes] | None = None  # None: optimizer state sharded like the parameters
     required_axes: tuple[str, ...] = ()
-    attention: str = "dense"
-    layers: str = "scan"  # how the stacked layers are applied (shardkit/layers.py): "scan" or a pipeline kernel
+    attention: str = "dense"  # shorthand for kernels["attention"]
+    layers: str = "scan"  # shorthand for kernels["layers"]: "scan" or a pipeline kernel (shardkit/layers.py)
     description: str = ""
     collectives: str = ""  # what it compiles to, for the README table and explain()
+    #: slot -> kernel name (shardkit/kernels.py), e.g. {"attention": "ring:zigzag", "layers": "scan", "conv": ...}
+    kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_rules", normalize_rules(self.param_rules))
         object.__setattr__(self, "compute_rules", normalize_rules(self.compute_rules))
         if self.opt_rules is not None:
             object.__setattr__(self, "opt_rules", normalize_rules(self.opt_rules))
+        table = {"attention": self.attention, "layers": self.layers, **self.kernels}
+        object.__setattr__(self, "kernels", table)
+        object.__setattr__(self, "attention", table["attention"])
+        object.__setattr__(self, "layers", table["layers"])
 
     def replace(self, **changes: Any) -> Strategy:
+        """A copy with `changes`; `attention=` / `layers=` and `kernels=` stay one table."""
+        shorthand = {k: changes[k] for k in ("attention", "layers") if k in changes}
+        if shorthand or "kernels" in changes:
+            table = {**self.kernels, **changes.get("kernels", {}), **shorthand}
+            changes = {**changes, "kernels": table, "attention": table["attention"], "layers": table["layers"]}
         return dataclasses.replace(self, **changes)
+
+    def extend(self, **rules: str | Sequence[str] | None) -> Strategy:
+        """The same strategy with rules for a model's own logical names, in all three tables.
+
+        `sk.strategy("fsdp").extend(height=None, width=None, channels=None)` replicates them; a name may be
+        sharded (`channels="tensor"`) like any other.
+        """
+        new = normalize_rules(rules)
+        opt = None if self.opt_rules is None else {**self.opt_rules, **new}
+        return self.replace(
+            param_rules={**self.param_rules, **new}, compute_rules={**self.compute_rules, **new}, opt_rules=opt
+        )
 
     def mesh_axes(self) -> set[str]:
         """Every mesh axis any of the tables shards over."""
         tables = [self.param_rules, self.compute_rules, self.opt_rules or {}]
         return {a for t in tables for axes in t.values() for a in (axes or ())}
+
+    def default_mesh(self, devices: int) -> dict[str, int]:
+        """A mesh this strategy fits on `devices` devices, for when none is given (printed by the experiments).
+
+        Every required axis gets 2, `data` (when the strategy uses it without requiring it) 2, and the first
+        required data-like axis (fsdp, data, else the last required one) the rest: fsdp -> data=2,fsdp=4,
+        tp -> data=2,tensor=4, fsdp_tp -> data=2,fsdp=2,tensor=2 on 8 devices. Without required axes (tp3d)
+        the axes the tables use get 2 each, in order, while devices remain.
+        """
+        used = [a for a in ("data", "fsdp", "tensor", "seq", "seq_u", "seq_r", "stage", "expert", "space",
+                            "row", "col", "depth") if a in self.mesh_axes()]  # fmt: skip
+        used += sorted(self.mesh_axes() - set(used))
+        if not self.required_axes:
+            out: dict[str, int] = {}
+            for a in used:
+                if devices // max(1, _prod(out.values())) >= 2:
+                    out[a] = 2
+            if out and devices % _prod(out.values()) == 0:
+                out[next(iter(out))] *= devices // _prod(out.values())
+            return out or {"data": devices}
+        rest = next((a for a in ("fsdp", "data") if a in self.required_axes), self.required_axes[-1])
+        out = {a: 2 for a in used if a in self.required_axes or a == "data"}
+        out[rest] = 1
+        if devices % _prod(out.values()):
+            raise ShardkitError(f"strategy {self.name!r} needs mesh axes {list(out)}: {devices} devices do not split")
+        out[rest] = devices // _prod(out.values())
+        return {a: n for a, n in out.items() if n > 1 or a in self.required_axes}
 
     def bind(self, mesh: Mesh) -> BoundStrategy:
         """Checks the strategy against a mesh and drops optional axes the mesh lacks."""
@@ -85,12 +138,21 @@ class BoundStrategy:
     compute_rules: dict[str, MeshAxes]
 
 
+def _prod(values: Any) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
 def _rules(**overrides: str | Sequence[str] | None) -> dict[str, MeshAxes]:
     return {**_REPLICATED, **normalize_rules(overrides)}
 
 
 _TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 _DP_FSDP = ("data", "fsdp")
+# FSDP rests a transformer's parameters on their `embed` dimension and a CNN's on their (output) `channels`.
+_FSDP = {"embed": "fsdp", "channels": "fsdp"}
 
 STRATEGIES: dict[str, Strategy] = {}
 
@@ -116,7 +178,7 @@ register_strategy(
         "zero1",
         _rules(),
         _rules(batch="data"),
-        opt_rules=_rules(embed="data"),
+        opt_rules=_rules(embed="data", channels="data"),
         required_axes=("data",),
         description="as dp, but optimizer state sharded over data (ZeRO-1)",
         collectives="all-reduce of gradients; all-gather of updated parameters over data",
@@ -125,7 +187,7 @@ register_strategy(
 register_strategy(
     Strategy(
         "fsdp",
-        _rules(embed="fsdp"),
+        _rules(**_FSDP),
         _rules(batch=_DP_FSDP),
         required_axes=("fsdp",),
         description="batch over data x fsdp; parameters, gradients, optimizer state on embed over fsdp (ZeRO-3)",
@@ -155,7 +217,7 @@ register_strategy(
 register_strategy(
     Strategy(
         "fsdp_tp",
-        _rules(embed="fsdp", **_TP),
+        _rules(**_FSDP, **_TP),
         _rules(batch=_DP_FSDP, **_TP),
         required_axes=("fsdp", "tensor"),
         description="fsdp over fsdp x Megatron tp over tensor (data, if present, is plain data parallel)",
@@ -165,11 +227,24 @@ register_strategy(
 register_strategy(
     Strategy(
         "dp_fsdp_tp",
-        _rules(embed="fsdp", **_TP),
+        _rules(**_FSDP, **_TP),
         _rules(batch=_DP_FSDP, **_TP),
         required_axes=("data", "fsdp", "tensor"),
         description="3D: replicas over data (HSDP), fsdp within, Megatron tp innermost",
         collectives="gradient all-reduce over data + fsdp's all-gather / reduce-scatter + tp's all-reduces",
+    )
+)
+
+
+register_strategy(
+    Strategy(
+        "tp_channels",
+        _rules(channels="tensor"),
+        _rules(batch="data", channels="tensor"),
+        required_axes=("tensor",),
+        description="CNNs: channels over tensor (parameters and activations), batch over data",
+        collectives="per convolution: all-gather of the input channels over tensor (fwd), reduce-scatter of their"
+        " gradient (bwd); gradient all-reduce over data",
     )
 )
 
@@ -231,7 +306,7 @@ register_strategy(
 register_strategy(
     Strategy(
         "fsdp_sp_zigzag",
-        _rules(embed="fsdp"),
+        _rules(**_FSDP),
         _rules(batch=_DP_FSDP, **_SP),
         required_axes=("fsdp", "seq"),
         attention="ring:zigzag",
@@ -279,7 +354,7 @@ from shardkit import pipeline as _pipeline  # noqa: E402, F401  (registers the "
 for _name, _params, _compute, _required, _what in (
     ("pp", {}, {}, ("stage",), "layers over stage only"),
     ("pp_dp", {}, {"batch": "data"}, ("stage", "data"), "layers over stage x batch over data"),
-    ("pp_fsdp", {"embed": "fsdp"}, {"batch": _DP_FSDP}, ("stage", "fsdp"), "layers over stage x fsdp (ZeRO-3)"),
+    ("pp_fsdp", _FSDP, {"batch": _DP_FSDP}, ("stage", "fsdp"), "layers over stage x fsdp (ZeRO-3)"),
     ("pp_tp", _TP, {"batch": "data", **_TP}, ("stage", "tensor"), "layers over stage x Megatron tp over tensor"),
 ):
     register_strategy(

@@ -1,18 +1,29 @@
-"""The jitted training step: cross-entropy, gradient accumulation, optax update, explicit shardings, donation.
+"""The jitted training step for any Flax NNX model: its own loss and batch, gradient accumulation, optax update.
 
-    step = sk.make_train_step(model, optax.adamw(3e-4), mesh, "fsdp", microbatches=2)
+    step = sk.make_train_step(model, optax.adamw(3e-4), mesh, "fsdp", loss_fn=loss_fn,
+                              batch_axes={"image": ("batch", "height", "width", "channels"), "label": ("batch",)})
     state = step.init_state()                 # optimizer state created directly sharded
-    state, metrics = step(state, batch)       # batch: {"inputs": int32[B, T], "targets": int32[B, T]}
+    state, metrics = step(state, batch)       # metrics: loss, grad_norm and whatever loss_fn reports
+
+`loss_fn(model, batch)` returns a scalar or `(scalar, {"metric": value})`; without one the model's own
+`loss(batch)` method is used (models/gpt.py's GPT has one). `batch` is any pytree of arrays; `batch_axes` gives
+each leaf's logical names, as a matching pytree or one tuple for every leaf (leaves with fewer dimensions take
+its prefix); default: the model's `batch_axes` attribute, else ("batch",) (the leading dimension is the batch,
+the rest replicated).
 
 Parameters (fp32 by default) live in `state.params` as a pure dict laid out by the strategy's parameter rules,
 the optimizer state by its optimizer-state rules (= parameter rules except for ZeRO-1), and the forward pass
-runs under its compute rules. Mixed precision: give the model a bf16 compute dtype; parameters, gradients,
-the loss and the optimizer stay fp32.
+runs under its compute rules. Model state that is not a parameter (BatchNorm's `BatchStat`, dropout's RNG
+counters) lives in `state.model_state` and is updated by each step; PRNG keys are stored as their raw uint32
+data so that checkpoints and `device_put` treat them as plain arrays. Mixed precision: give the model a bf16
+compute dtype; parameters, gradients, the loss and the optimizer stay fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.struct
@@ -22,26 +33,38 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.init import param_shardings
-from shardkit.rules import logical_to_spec, use_rules
+from shardkit.init import split_params, state_logical_axes, state_shardings
+from shardkit.rules import flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
 
-Batch = dict[str, jax.Array]
-BATCH_AXES = ("batch", "seq")  # logical names of every [B, T] batch entry (inputs, targets, positions, ...)
+Batch = Any  # a pytree of arrays
+LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
+BatchAxes = tuple[str | None, ...] | Any  # one tuple for every leaf, or a pytree of tuples matching the batch
 
 
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar
-    params: dict[str, Any]  # pure dict, the structure of nnx.split(model)[1].to_pure_dict()
+    params: dict[str, Any]  # pure dict of the nnx.Param values, the structure of nnx.to_pure_dict
     opt_state: Any
+    model_state: dict[str, Any] = flax.struct.field(default_factory=dict)  # BatchStat, RNG counters / key data
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats, computed in fp32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of integer labels in nats, in fp32 at least (fp64 under x64 stays fp64)."""
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels).mean()
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
 
 class TrainStep:
@@ -53,157 +76,313 @@ class TrainStep:
         optimizer: optax.GradientTransformation,
         mesh: Mesh,
         strategy: str | Strategy,
+        *,
+        loss_fn: LossFn | None = None,
+        batch_axes: BatchAxes = None,
         microbatches: int = 1,
         donate: bool = True,
     ):
         if microbatches < 1:
             raise ShardkitError(f"microbatches={microbatches} must be >= 1")
         self.strategy = get_strategy(strategy)
+        kernels.check(self.strategy.kernels)
         self.bound = self.strategy.bind(mesh)
         self.mesh, self.tx, self.microbatches, self._model = mesh, optimizer, microbatches, model
-        self.graphdef, state = nnx.split(model)
-        abstract = jax.eval_shape(lambda s: s, state)
-        self.param_shardings = param_shardings(abstract, self.bound.param_rules, mesh)
-        self._update_shardings = param_shardings(abstract, self.bound.opt_rules, mesh)
-        abs_params = nnx.to_pure_dict(abstract)
+        self.loss_fn = self._default_loss(model) if loss_fn is None else loss_fn
+        batch_axes = getattr(model, "batch_axes", None) if batch_axes is None else batch_axes
+        self.batch_axes = ("batch",) if batch_axes is None else batch_axes
+        self.graphdef, params, rest = split_params(model)
+        rules = self.bound.param_rules
+        self.param_names = state_logical_axes(params)  # pure dict of each parameter's logical names
+        self.param_shardings = state_shardings(params, rules, mesh)
+        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh)
+        self.model_state_shardings = state_shardings(rest, rules, mesh, require=False)
+        self._rest = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
+        self._keys = jax.tree.map(_is_key, self._rest)  # which model-state leaves are PRNG keys
+        abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         replicated = NamedSharding(mesh, PartitionSpec())
         self.opt_shardings = optax.tree_utils.tree_map_params(
             optimizer,
             lambda _, s: s,
             jax.eval_shape(optimizer.init, abs_params),
-            self._update_shardings,
+            self.update_shardings,
             transform_non_params=lambda _: replicated,
         )
-        self.state_shardings = TrainState(step=replicated, params=self.param_shardings, opt_state=self.opt_shardings)
-        self.batch_sharding = NamedSharding(mesh, logical_to_spec(BATCH_AXES, self.bound.compute_rules, mesh))
-        self._replicated = replicated
-        self._jitted = jax.jit(
-            self._step,
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=(0,) if donate else (),
-        )
-        self._eval = jax.jit(self._loss, in_shardings=(self.param_shardings, self.batch_sharding))
+        self.state_shardings = TrainState(
+            step=replicated, params=self.param_shardings, opt_state=self.opt_shardings,
+            model_state=self.model_state_shardings,
+        )  # fmt: skip
+        self._replicated, self._donate = replicated, donate
+        self._jitted: dict[Any, Any] = {}  # per batch structure: jit needs the batch's shardings up front
+        self._evals: dict[Any, Any] = {}
+
+    @staticmethod
+    def _default_loss(model: nnx.Module) -> LossFn:
+        method = getattr(type(model), "loss", None)
+        if not callable(method):
+            raise ShardkitError(
+                f"{type(model).__name__} has no loss(batch) method: pass loss_fn=lambda model, batch: scalar "
+                "(or (scalar, {'metric': value})) to make_train_step"
+            )
+        return lambda m, batch: method(m, batch)
+
+    @property
+    def has_model_state(self) -> bool:
+        return bool(jax.tree.leaves(self._rest))
 
     # ----------------------------------------------------------------------------------------------- state
     def init_state(self, model: nnx.Module | None = None) -> TrainState:
-        """Parameters from `model` (default: the one given at construction), optimizer state sharded.
-
-        The step may be built from `sk.abstract_model(...)` (shapes only) to validate, lower or restore a
-        checkpoint before any parameter exists; then pass the real model here.
+        """Parameters and model state from `model` (default: the one given at construction), optimizer state
+        sharded. The step may be built from `sk.abstract_model(...)` (shapes only) to validate, lower or restore
+        a checkpoint before any parameter exists; then pass the real model here.
         """
-        params = nnx.to_pure_dict(nnx.split(model or self._model)[1])
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        _, params, rest = split_params(model or self._model)
+        params, rest = nnx.to_pure_dict(params), self._unwrap(nnx.to_pure_dict(rest))
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((params, rest))):
             raise ShardkitError(
                 "this TrainStep was built from an abstract model (shapes only); pass the real model: "
                 "step.init_state(sk.sharded_init(make_model, mesh, strategy))"
             )
         params = jax.device_put(params, self.param_shardings)
+        rest = jax.device_put(rest, self.model_state_shardings)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-        return TrainState(
-            step=jax.device_put(jnp.zeros((), jnp.int32), self._replicated), params=params, opt_state=opt_state
-        )
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+        return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)
 
-    def model(self, params: dict[str, Any]) -> nnx.Module:
-        """The NNX module holding `params` (for evaluation or sampling)."""
-        return nnx.merge(self.graphdef, params)
+    def model(self, params: dict[str, Any] | TrainState, model_state: dict[str, Any] | None = None) -> nnx.Module:
+        """The NNX module holding `params` (or a TrainState's parameters and model state), for evaluation."""
+        if isinstance(params, TrainState):
+            params, model_state = params.params, params.model_state
+        if model_state is None:
+            if self.has_model_state:
+                raise ShardkitError("this model has state besides parameters: pass the TrainState, step.model(state)")
+            model_state = self._rest
+        return nnx.merge(self.graphdef, params, self._wrap(model_state))
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs with shardings: the target tree for restoring a checkpoint onto this mesh."""
-        params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(self._model)[1]))
-        shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params))
+        params = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(self._model)[1]))
+        rest = jax.eval_shape(self._unwrap, self._rest)
+        shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params), rest)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
         )
 
-    # ------------------------------------------------------------------------------------------------ step
-    def check_batch(self, batch: Batch) -> None:
-        """Divisibility of the batch by the mesh and microbatches, checked before XLA sees it."""
-        b, t = batch["inputs"].shape
-        spec = self.batch_sharding.spec
-        for dim, (size, axes) in enumerate(zip((b, t), tuple(spec) + (None,) * (2 - len(spec)), strict=True)):
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-            degree = math.prod(self.mesh.shape[a] for a in axes) * (self.microbatches if dim == 0 else 1)
-            if size % degree:
-                what = "batch" if dim == 0 else "sequence length"
+    def _unwrap(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+    def _wrap(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x) if k and not _is_key(x) else x, tree, self._keys)
+
+    # ----------------------------------------------------------------------------------------------- batch
+    def batch_names(self, batch: Batch) -> Any:
+        """Each batch leaf's logical names (padded with None to its rank), as a pytree like the batch."""
+        axes = self.batch_axes
+
+        def names(path: Any, leaf: Any, given: tuple) -> tuple:
+            ndim = len(leaf.shape)
+            if not _is_names(given):
+                raise ShardkitError(f"batch_axes for batch{jax.tree_util.keystr(path)} must be a tuple of names")
+            if len(given) > ndim and not _is_names(axes):
                 raise ShardkitError(
-                    f"{what} {size} is not divisible by {degree} (mesh axes {axes or '()'}"
-                    f"{f' x {self.microbatches} microbatches' if dim == 0 and self.microbatches > 1 else ''}); "
-                    f"use a {what} that is a multiple of {degree}"
+                    f"batch{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)} but batch_axes gives "
+                    f"{len(given)} names {given}; give at most one name per dimension"
                 )
+            return tuple(given[:ndim]) + (None,) * (ndim - len(given))
+
+        if _is_names(axes):
+            return jax.tree_util.tree_map_with_path(lambda p, x: names(p, x, axes), batch)
+        try:
+            return jax.tree_util.tree_map_with_path(lambda p, x, a: names(p, x, a), batch, axes)
+        except ValueError as e:
+            if isinstance(e, ShardkitError):
+                raise
+            structure = jax.tree.map(lambda x: tuple(x.shape), batch)
+            raise ShardkitError(
+                f"batch_axes {axes} does not match the batch's structure {structure}: give one tuple of logical "
+                "names per batch entry, or one tuple for all of them"
+            ) from e
+
+    def batch_shardings(self, batch: Batch) -> Any:
+        """NamedShardings for every batch leaf under the compute rules (checked for divisibility)."""
+        rules = self.bound.compute_rules
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x, n: NamedSharding(self.mesh, logical_to_spec(n, rules, self.mesh, None, f"batch{p}")),
+            batch,
+            self.batch_names(batch),
+        )
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """The sharding of a batch leaf of rank >= len(batch_axes) when batch_axes is one tuple (e.g. the GPT's
+        [batch, seq] tokens); for a pytree of batch_axes use `batch_shardings(batch)`."""
+        if not _is_names(self.batch_axes):
+            raise ShardkitError("batch_axes is a pytree: use step.batch_shardings(batch) for its shardings")
+        return NamedSharding(self.mesh, logical_to_spec(self.batch_axes, self.bound.compute_rules, self.mesh))
+
+    def check_batch(self, batch: Batch) -> None:
+        """Divisibility of every batch leaf by its mesh axes (and the leading one by microbatches), before XLA."""
+        if not jax.tree.leaves(batch):
+            raise ShardkitError("the batch has no arrays")
+        rules, m = self.bound.compute_rules, self.microbatches
+        leaves = jax.tree_util.tree_leaves_with_path(batch)
+        all_names = jax.tree.leaves(self.batch_names(batch), is_leaf=_is_names)
+        for (path, leaf), names in zip(leaves, all_names, strict=True):
+            if len(leaf.shape) == 0:
+                raise ShardkitError(
+                    f"batch{jax.tree_util.keystr(path)} is a scalar; each entry needs a batch dimension"
+                )
+            for dim, (size, name) in enumerate(zip(leaf.shape, names, strict=True)):
+                axes = (rules.get(name) or ()) if name is not None else ()
+                if name is not None and name not in rules:
+                    logical_to_spec(names, rules, self.mesh, None, f"batch{jax.tree_util.keystr(path)}")  # raises
+                degree = math.prod(self.mesh.shape[a] for a in axes) * (m if dim == 0 else 1)
+                if size % degree:
+                    what = "batch" if dim == 0 else "sequence length" if name == "seq" else f"{name!r} dimension"
+                    micro = f" x {m} microbatches" if dim == 0 and m > 1 else ""
+                    raise ShardkitError(
+                        f"{what} {size} is not divisible by {degree} (mesh axes {axes or '()'}{micro}; "
+                        f"batch{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}); use a {what} that is a "
+                        f"multiple of {degree}"
+                    )
+
+    def _jit(self, batch: Batch) -> Any:
+        key = jax.tree.structure(batch)
+        if key not in self._jitted:
+            shardings = self.batch_shardings(batch)
+            self._jitted[key] = jax.jit(
+                self._step,
+                in_shardings=(self.state_shardings, shardings),
+                out_shardings=(self.state_shardings, self._replicated),
+                donate_argnums=(0,) if self._donate else (),
+            )
+            self._evals[key] = jax.jit(
+                self._eval_fn, in_shardings=(self.param_shardings, self.model_state_shardings, shardings)
+            )
+        return self._jitted[key]
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         self.check_batch(batch)
-        return self._jitted(state, batch)
+        return self._jit(batch)(state, batch)
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         self.check_batch(batch)
-        return self._jitted.lower(state, batch)
+        return self._jit(batch).lower(state, batch)
 
-    def eval_loss(self, params: dict[str, Any], batch: Batch) -> jax.Array:
+    def eval_loss(self, params: dict[str, Any] | TrainState, batch: Batch) -> jax.Array:
+        """The loss in evaluation mode (`model.eval()`: running BatchNorm statistics, no dropout)."""
+        return self.evaluate(params, batch)[0]
+
+    def evaluate(self, state: dict[str, Any] | TrainState, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, metrics) in evaluation mode, for a TrainState (or, for a model without other state, params)."""
+        params, model_state = (state.params, state.model_state) if isinstance(state, TrainState) else (state, None)
+        if model_state is None:
+            if self.has_model_state:
+                raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
+            model_state = self._unwrap(self._rest)
         self.check_batch(batch)
-        return self._eval(params, batch)
+        self._jit(batch)
+        return self._evals[jax.tree.structure(batch)](params, model_state, batch)
 
-    def _loss(self, params: dict[str, Any], batch: Batch, rules: dict[str, Any] | None = None) -> jax.Array:
-        rules = rules or self.bound.compute_rules
-        with use_rules(self.mesh, rules, attention=self.strategy.attention, layers=self.strategy.layers):
-            extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
-            logits = nnx.merge(self.graphdef, params)(batch["inputs"], **extra)
-            return cross_entropy(logits, batch["targets"])
+    # ------------------------------------------------------------------------------------------- the step
+    @contextlib.contextmanager
+    def _tracing(self, rules: dict[str, Any]) -> Iterator[None]:
+        """shardkit's compute rules and kernels, and Flax's logical rules (for nn.with_logical_constraint)."""
+        with use_rules(self.mesh, rules, kernels=self.strategy.kernels), flax_rules(self.mesh, rules):
+            yield
 
-    def _accumulate(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
-        """Mean loss and gradient over `microbatches` slices of the batch, reduced over devices once.
+    def _apply(
+        self, params: Any, model_state: Any, batch: Batch, rules: dict[str, Any] | None = None, train: bool = True
+    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
+        """loss, (metrics, new model state) of loss_fn on the merged model."""
+        with self._tracing(rules or self.bound.compute_rules):
+            model = nnx.merge(self.graphdef, params, self._wrap(model_state))
+            model.train() if train else model.eval()
+            out = self.loss_fn(model, batch)
+            new_state = self._unwrap(nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+        loss, aux = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(aux, dict):
+            raise ShardkitError(f"loss_fn returned {type(aux).__name__} as metrics; return (loss, dict of metrics)")
+        if jnp.shape(loss) != ():
+            raise ShardkitError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+        return loss, (aux, new_state)
+
+    def _eval_fn(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        loss, (aux, _) = self._apply(params, model_state, batch, train=False)
+        return loss, aux
+
+    def _accumulate(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, Any, Any, Any]:
+        """Mean loss, metrics and gradient over `microbatches` slices of the batch, reduced over devices once.
 
         Under plain GSPMD a scan over microbatches all-reduces the gradients inside the loop, M times per step.
         Instead each of the D batch shards keeps its own unreduced gradient: the loss is vmapped over a leading
         shard axis placed on the batch mesh axes (`spmd_axis_name`), the accumulator is [D, *param] with one
         full-size gradient per device (the price, as with DDP's no_sync), and one sum over D after the loop is
         the step's only gradient reduction (an all-reduce, or a reduce-scatter for sharded parameters).
+
+        A model with state besides parameters (BatchNorm statistics, dropout RNG counters) takes a plain scan
+        instead, carrying that state from microbatch to microbatch as one device would: per-shard vmapping would
+        give per-shard batch statistics and the same random bits on every shard. Its gradients are reduced once
+        per microbatch.
         """
         m = self.microbatches
         # Strided split: row r goes to microbatch r % m, so each microbatch keeps the batch's sharding.
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
         axes = self.bound.compute_rules.get("batch") or ()
         d = math.prod(self.mesh.shape[a] for a in axes)
-        if d == 1:
-            grad_fn = jax.value_and_grad(self._loss)
-        else:
-            local_rules = {**self.bound.compute_rules, "batch": None}  # the shard axis carries the batch sharding
-            per_shard = jax.vmap(
-                jax.value_and_grad(lambda p, b: self._loss(p, b, local_rules)), in_axes=(None, 0), spmd_axis_name=axes
-            )
-            split = lambda mb: jax.tree.map(lambda x: x.reshape(d, x.shape[0] // d, *x.shape[1:]), mb)
-            grad_fn = lambda p, mb: per_shard(p, split(mb))
+        value_and_grad = jax.value_and_grad(self._apply, has_aux=True)
+        first = jax.tree.map(lambda x: x[0], micro)
+        if self.has_model_state or d == 1:
+
+            def body(carry: Any, mb: Batch) -> tuple[Any, None]:
+                acc, state = carry
+                (loss, (aux, state)), grads = value_and_grad(params, state, mb)
+                return (jax.tree.map(jnp.add, acc, (loss, aux, grads)), state), None
+
+            shapes = jax.eval_shape(lambda mb: value_and_grad(params, model_state, mb), first)
+            (loss, (aux, _)), grads = shapes
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, grads))
+            (total, model_state), _ = jax.lax.scan(body, (zeros, model_state), micro)
+            loss, aux, grads = jax.tree.map(lambda x: x / m, total)
+            return loss, aux, grads, model_state
+
+        local_rules = {**self.bound.compute_rules, "batch": None}  # the shard axis carries the batch sharding
+        per_shard = jax.vmap(
+            lambda p, b: value_and_grad(p, model_state, b, local_rules), in_axes=(None, 0), spmd_axis_name=axes
+        )
+        split = lambda mb: jax.tree.map(lambda x: x.reshape(d, x.shape[0] // d, *x.shape[1:]), mb)
+
+        def grad_fn(mb: Batch) -> Any:
+            (loss, (aux, _)), grads = per_shard(params, split(mb))
+            return loss, aux, grads
 
         def accumulate(carry: Any, mb: Batch) -> tuple[Any, None]:
-            return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+            return jax.tree.map(jnp.add, carry, grad_fn(mb)), None
 
-        zeros = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-        if d > 1:
-            unreduced = NamedSharding(self.mesh, PartitionSpec(axes))
-            zeros = jax.lax.with_sharding_constraint(zeros, jax.tree.map(lambda _: unreduced, zeros))
-        (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
-        if d > 1:
-            loss, grads = jax.tree.map(lambda x: x.sum(axis=0), (loss, grads))
-        return jax.tree.map(lambda x: x / (m * d), (loss, grads))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, first))
+        unreduced = NamedSharding(self.mesh, PartitionSpec(axes))
+        zeros = jax.lax.with_sharding_constraint(zeros, jax.tree.map(lambda _: unreduced, zeros))
+        total, _ = jax.lax.scan(accumulate, zeros, micro)
+        loss, aux, grads = jax.tree.map(lambda x: x.sum(axis=0) / (m * d), total)
+        return loss, aux, grads, model_state
 
     def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        grad_fn = jax.value_and_grad(self._loss)
-        m = self.microbatches
-        if m == 1:
-            loss, grads = grad_fn(state.params, batch)
+        if self.microbatches == 1:
+            (loss, (aux, model_state)), grads = jax.value_and_grad(self._apply, has_aux=True)(
+                state.params, state.model_state, batch
+            )
         else:
-            loss, grads = self._accumulate(state.params, batch)
+            loss, aux, grads, model_state = self._accumulate(state.params, state.model_state, batch)
         # Gradients take the optimizer state's layout: the parameters' for most strategies; for ZeRO-1 they are
         # reduce-scattered, the update runs on optimizer-state shards, and the new parameters are all-gathered.
-        grads = jax.lax.with_sharding_constraint(grads, self._update_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, self.update_shardings)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        updates = jax.lax.with_sharding_constraint(updates, self._update_shardings)
+        updates = jax.lax.with_sharding_constraint(updates, self.update_shardings)
         params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), self.param_shardings)
-        tokens = jnp.asarray(math.prod(batch["targets"].shape), jnp.int32)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": tokens}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        model_state = jax.lax.with_sharding_constraint(model_state, self.model_state_shardings)
+        metrics = {**aux, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+        return new, metrics
 
 
 def make_train_step(
@@ -211,11 +390,17 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     strategy: str | Strategy,
+    *,
+    loss_fn: LossFn | None = None,
+    batch_axes: BatchAxes = None,
     microbatches: int = 1,
     donate: bool = True,
 ) -> TrainStep:
     """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`."""
-    return TrainStep(model, optimizer, mesh, strategy, microbatches=microbatches, donate=donate)
+    return TrainStep(
+        model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
+        donate=donate,
+    )  # fmt: skip
 
 
 __all__ = ["TrainState", "TrainStep", "cross_entropy", "make_train_step"]

@@ -6,16 +6,17 @@ from collections.abc import Callable
 
 import jax
 
+from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.rules import current_context
 
 AttentionFn = Callable[..., jax.Array]
-_KERNELS: dict[str, AttentionFn] = {}
 
 
-def register_attention(name: str, fn: AttentionFn) -> None:
-    """Makes a strategy with `attention=name` call `fn(q, k, v, *, causal, segment_ids, context)`."""
-    _KERNELS[name] = fn
+def register_attention(name: str, fn: AttentionFn, layout: kernels.LayoutFn | None = None) -> None:
+    """Makes a strategy with `kernels={"attention": name}` call `fn(q, k, v, *, causal, segment_ids, context)`.
+
+    `layout(name, mesh) -> (layout, ring size)`: the sequence layout the kernel needs its data in (ring kernels)."""
+    kernels.register("attention", name, fn, layout=layout)
 
 
 def dense_attention(
@@ -45,10 +46,7 @@ def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None
 ) -> jax.Array:
     """[b, s, heads, d] x 2 x [b, s, kv_heads, d] -> [b, s, heads, d] with the kernel the strategy chose."""
-    ctx = current_context()
-    name = "dense" if ctx is None else ctx.attention
-    if name not in _KERNELS:
-        raise ShardkitError(f"attention kernel {name!r} is not available; registered: {', '.join(_KERNELS)}")
+    kernel, _, ctx = kernels.active("attention")
     if q.shape[2] % k.shape[2]:
         raise ShardkitError(f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
-    return _KERNELS[name](q, k, v, causal=causal, segment_ids=segment_ids, context=ctx)
+    return kernel.fn(q, k, v, causal=causal, segment_ids=segment_ids, context=ctx)

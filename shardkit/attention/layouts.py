@@ -128,13 +128,12 @@ def layout_batch(batch: Mapping[str, Any], layout: str, n: int) -> dict[str, Any
 
 
 def strategy_layout(attention: str, mesh: Mesh) -> tuple[str, int]:
-    """(layout, ring size) the data must be in for a strategy's `attention` name ('ring:zigzag', 'usp:striped', …).
+    """(layout, ring size) the data must be in for an attention kernel name ('ring:zigzag', 'usp:striped', …).
 
-    The data loader calls `layout_batch(batch, *strategy_layout(strategy.attention, mesh))`.
+    The layout is the kernel's own declaration (`shardkit.kernels`); for a whole strategy use
+    `sk.kernels.batch_layout(strategy, mesh)`.
     """
-    kind, _, layout = attention.partition(":")
-    if kind == "ring":
-        return layout or "contiguous", _ring_size(mesh, "seq", None)
-    if kind == "usp":
-        return layout or "contiguous", _ring_size(mesh, "seq_r", None)
-    return "contiguous", 1
+    from shardkit import kernels  # the attention kernels register themselves on import of shardkit.attention
+
+    kernel = kernels.lookup("attention", attention)
+    return kernel.layout(attention, mesh) if kernel.layout is not None else ("contiguous", 1)

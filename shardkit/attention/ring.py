@@ -364,4 +364,6 @@ def _ring_from_context(layout: str) -> Any:
 
 
 for _layout in LAYOUTS:
-    register_attention(f"ring:{_layout}", _ring_from_context(_layout))
+    # the ring needs the data in its layout: declared, so the loader applies it (sk.kernels.batch_layout)
+    _declared = lambda _, mesh, lay=_layout: (lay, mesh.shape.get("seq", 1))
+    register_attention(f"ring:{_layout}", _ring_from_context(_layout), layout=_declared)

@@ -92,4 +92,5 @@ def _usp_from_context(layout: str) -> Any:
 
 
 for _layout in LAYOUTS:
-    register_attention(f"usp:{_layout}", _usp_from_context(_layout))
+    _declared = lambda _, mesh, lay=_layout: (lay, mesh.shape.get("seq_r", 1))  # the ring part's layout
+    register_attention(f"usp:{_layout}", _usp_from_context(_layout), layout=_declared)

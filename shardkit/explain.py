@@ -3,11 +3,14 @@
     report = sk.explain(step, state, batch)        # state / batch may be ShapeDtypeStructs: nothing is allocated
     print(report.text()); report.to_json(); report.plot("explain.png")
 
+Works for any model and batch: the batch is described by its leaves' shapes and logical names (`batch_axes`).
 Collectives come from the partitioned HLO (`shardkit.hlo.collectives`: replica groups mapped back to mesh axes,
 loop bodies multiplied by their trip counts, ring bytes sent per device). Memory comes from
 `compiled.memory_analysis()`, with parameters and optimizer state split out from the state's shardings.
-Predictions: `shardkit.costmodel` for the strategies it models (dp, zero1, fsdp, tp, tp_sp, fsdp_tp, dp_fsdp_tp,
-tp3d); none for the others.
+Predictions: the model's own cost hook when it has one (`cfg.cost_model(strategy, mesh, batch_shapes, nbytes,
+backend)`; the GPT's covers dp, zero1, fsdp, tp, tp_sp, fsdp_tp, dp_fsdp_tp, tp3d with `shardkit.costmodel`),
+otherwise the parameter traffic and state memory that the strategy's rules tables imply, for any model and any
+registered strategy (`shardkit.costmodel_rules`); activation collectives without a hook are "not modelled".
 
 A plan for a mesh larger than the machine is explained on a smaller mesh (`explain(..., target_mesh=...)`,
 see experiments/explain.py) and its figures scaled: parameters and optimizer state exactly from the shardings'
@@ -25,9 +28,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit import costmodel, hlo
+from shardkit import costmodel, costmodel_rules, hlo
 
-_COSTMODEL = ("dp", "zero1", "fsdp", "tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp", "tp3d")
+_BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
 _PRED_OF = {"parameters": ("params",), "optimizer_state": ("optimizer",), "temporaries": ("grads", "activations"),
             "outputs": ("params", "optimizer")}  # fmt: skip
@@ -43,23 +46,34 @@ def _h(n: float | None) -> str:
     )
 
 
+Prediction = tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], str]
+
+
 def predict(
-    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int, backend: str
-) -> tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], str] | None:
-    """(kind, axis) -> (count, bytes per device), memory per device, and the source; None if nothing models it."""
-    # tp3d under the GSPMD rules (strategies.py): its depth reduce-scatter is GSPMD's, an all-reduce on CPU
-    if strategy not in _COSTMODEL:
+    strategy: str, cfg: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+) -> Prediction | None:
+    """(kind, axis) -> (count, bytes per device), memory per device, and the source, from the model's cost hook
+    (`cfg.cost_model`); None when the model has none or it does not model this strategy."""
+    hook = getattr(cfg, "cost_model", None) if cfg is not None else None
+    if hook is None:
         return None
-    gspmd = strategy == "tp3d"
-    comms = costmodel.strategy_comms(strategy, cfg, mesh, global_batch, seq_len, nbytes, backend, gspmd=gspmd)
-    memory = costmodel.memory(strategy, cfg, mesh, global_batch, seq_len, nbytes)
-    memory = {k: v for k, v in memory.items() if k != "total"}
-    source = f"shardkit.costmodel ({strategy}, backend {backend})"
-    out: dict[tuple[str, str], tuple[int, float]] = {}
+    out = hook(strategy, mesh, batch_shapes, nbytes, backend)
+    if out is None:
+        return None
+    comms, memory, source = out
+    merged: dict[tuple[str, str], tuple[int, float]] = {}
     for c in comms:
-        n, b = out.get((c.kind, c.axis), (0, 0.0))
-        out[c.kind, c.axis] = (n + c.count, b + c.bytes)
-    return out, memory, source
+        n, b = merged.get((c.kind, c.axis), (0, 0.0))
+        merged[c.kind, c.axis] = (n + c.count, b + c.bytes)
+    return merged, {k: v for k, v in memory.items() if k != "total"}, source
+
+
+def predict_from_rules(step: Any, state: Any, backend: str) -> Prediction:
+    """Parameter traffic and state memory from the strategy's rules tables (any model, any strategy)."""
+    comms = {(c.kind, c.axis): (c.count, c.bytes) for c in costmodel_rules.state_comms(step, backend)}
+    source = (f"rules tables of {step.strategy.name} (shardkit.costmodel_rules, backend {backend}): parameter "
+              "traffic and state only; activation collectives and memory not modelled for this model")  # fmt: skip
+    return comms, costmodel_rules.state_memory(step, state), source
 
 
 def _shard_bytes(shape: tuple[int, ...], dtype: Any, spec: Any, sizes: dict[str, int]) -> int:
@@ -83,23 +97,23 @@ class Report:
     strategy: str
     mesh: dict[str, int]  # the mesh compiled on
     platform: str
-    batch: tuple[int, int]
+    batch: dict[str, tuple[int, ...]]  # each batch leaf's shape, by its path ("['inputs']")
     collectives: list[hlo.Collective]
     memory: dict[str, int]  # per device, from memory_analysis() and the state shardings
     predicted_comms: dict[tuple[str, str], tuple[int, float]] | None = None
     predicted_memory: dict[str, float] | None = None
-    prediction_source: str = "no prediction (strategy not modelled, or no model config)"
+    prediction_source: str = "no prediction"
     scaled: dict[str, Any] | None = None  # target_mesh, collectives, memory, predictions on the target
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per (kind, mesh axes): measured count / bytes, predicted, and scaled figures when present."""
         pred, measured = self.predicted_comms or {}, hlo.summarize(self.collectives)
-        keys = list(measured) + [(k, (a,)) for k, a in pred if (k, (a,)) not in measured]
+        keys = list(measured) + [(k, tuple(a.split(","))) for k, a in pred if (k, tuple(a.split(","))) not in measured]
         out = []
         for kind, axes in keys:
             m = measured.get((kind, axes), {"count": 0, "bytes_sent": 0.0})
-            p = pred.get((kind, axes[0])) if len(axes) == 1 else None
+            p = pred.get((kind, ",".join(axes)))
             row = dict(kind=kind, axes=list(axes), count=m["count"], bytes_sent=m["bytes_sent"])
             row.update(predicted_count=p[0] if p else None, predicted_bytes=p[1] if p else None)
             if self.scaled:
@@ -110,7 +124,8 @@ class Report:
     def memory_rows(self) -> list[dict[str, Any]]:
         pm, out = self.predicted_memory, []
         for name in (*_MEM_ROWS, "peak"):
-            pred = sum(pm.get(k, 0.0) for k in _PRED_OF[name]) if pm and name in _PRED_OF else None
+            known = pm and name in _PRED_OF and all(k in pm for k in _PRED_OF[name])
+            pred = sum(pm[k] for k in _PRED_OF[name]) if known else None  # None: not modelled
             row = dict(name=name, compiled=self.memory[name], predicted=pred)
             if self.scaled:
                 row.update(
@@ -122,8 +137,8 @@ class Report:
     def text(self) -> str:
         grid = ",".join(f"{a}={n}" for a, n in self.mesh.items())
         n_dev = math.prod(self.mesh.values())
-        lines = [f"shardkit explain: {self.strategy} on mesh {grid} ({n_dev} x {self.platform}), "
-                 f"batch {self.batch[0]} x {self.batch[1]}"]  # fmt: skip
+        leaves = ", ".join(f"{k.strip(_BRACKETS)} {list(v)}" for k, v in self.batch.items())
+        lines = [f"shardkit explain: {self.strategy} on mesh {grid} ({n_dev} x {self.platform}), batch {leaves}"]
         sc = self.scaled
         if sc:
             tgrid = ",".join(f"{a}={n}" for a, n in sc["target_mesh"].items())
@@ -166,7 +181,8 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(
-            strategy=self.strategy, mesh=dict(self.mesh), platform=self.platform, batch=list(self.batch),
+            strategy=self.strategy, mesh=dict(self.mesh), platform=self.platform,
+            batch={k: list(v) for k, v in self.batch.items()},
             collectives=self.rows(), collectives_detail=[dataclasses.asdict(c) for c in self.collectives],
             memory=dict(self.memory), memory_rows=self.memory_rows(), predicted_memory=self.predicted_memory,
             prediction_source=self.prediction_source, scaled=self.scaled, notes=list(self.notes),
@@ -206,11 +222,12 @@ class Report:
 
 
 def explain(
-    step: Any, state: Any, batch: dict[str, Any], *, model_cfg: Any = None, target_mesh: dict[str, int] | None = None
+    step: Any, state: Any, batch: Any, *, model_cfg: Any = None, target_mesh: dict[str, int] | None = None
 ) -> Report:
     """Compiles `step` for (state, batch) — concrete arrays or ShapeDtypeStructs — and explains it.
 
-    `model_cfg`: a GPTConfig-like object for the predictions (default: the step's model's `cfg`).
+    `model_cfg`: an object with a `cost_model` hook for the predictions (default: the step's model's `cfg`);
+    without one, the prediction is what the strategy's rules tables imply for the parameters.
     `target_mesh`: the plan's mesh when `step.mesh` is a scaled-down stand-in; adds SCALED figures.
     """
     compiled = step.lower(state, batch).compile()
@@ -225,7 +242,7 @@ def explain(
     args, outs, alias, temp = (get(f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp"))
     memory = dict(parameters=params, optimizer_state=opt, temporaries=temp, outputs=outs, arguments=args,
                   aliased=alias, peak=args + outs - alias + temp)  # fmt: skip
-    b, t = batch["inputs"].shape
+    shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(batch)}
     cfg = model_cfg if model_cfg is not None else getattr(getattr(step, "_model", None), "cfg", None)
     nbytes = int(np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize)
     backend = "cpu" if platform == "cpu" else "tpu" if platform == "tpu" else "gpu"
@@ -235,25 +252,29 @@ def explain(
                      "the cost model's CPU backend predicts the same")  # fmt: skip
     if getattr(step, "microbatches", 1) > 1:
         notes.append(f"{step.microbatches} microbatches: predictions assume none (one gradient reduction per step)")
-    pred = predict(step.strategy.name, cfg, sizes, b, t, nbytes, backend) if cfg is not None else None
-    report = Report(step.strategy.name, sizes, platform, (b, t), colls, memory, notes=notes)
-    if pred:
-        report.predicted_comms, report.predicted_memory, report.prediction_source = pred
+    pred = predict(step.strategy.name, cfg, sizes, shapes, nbytes, backend)
+    if pred is None:
+        pred = predict_from_rules(step, state, backend)
+        notes.append(f"no cost model of {type(getattr(step, '_model', None)).__name__}'s activations for "
+                     f"{step.strategy.name}: rows predicted '-' are not modelled")  # fmt: skip
+    report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes)
+    report.predicted_comms, report.predicted_memory, report.prediction_source = pred
     if target_mesh:
-        report.scaled = _scale(report, step, state, dict(target_mesh), cfg, nbytes, backend)
+        report.scaled = _scale(report, step, state, batch, dict(target_mesh), cfg, nbytes, backend)
     return report
 
 
-def _scale(r: Report, step: Any, state: Any, target: dict[str, int], cfg: Any, nbytes: int, backend: str) -> dict:
+def _scale(
+    r: Report, step: Any, state: Any, batch: Any, target: dict[str, int], cfg: Any, nbytes: int, backend: str
+) -> dict:
     """The SCALED figures for `target` (see the module docstring for the method of each)."""
-    b, t = r.batch
-    pt = predict(r.strategy, cfg, target, b, t, nbytes, backend) if cfg is not None else None
+    pt = predict(r.strategy, cfg, target, r.batch, nbytes, backend)
     p_comms, p_mem = (pt[0], pt[1]) if pt else ({}, {})
     small = r.predicted_comms or {}
     colls = {}
     for kind, axes in hlo.summarize(r.collectives):
         m = hlo.summarize(r.collectives)[kind, axes]["bytes_sent"]
-        key = (kind, axes[0]) if len(axes) == 1 else None
+        key = (kind, ",".join(axes))
         if key and key in small and key in p_comms and small[key][1] > 0:
             factor, how = p_comms[key][1] / small[key][1], "cost model ratio"
         else:
@@ -264,7 +285,7 @@ def _scale(r: Report, step: Any, state: Any, target: dict[str, int], cfg: Any, n
             scaled_bytes=m * factor, scale_method=how,
             predicted_target_bytes=p_comms[key][1] if key and key in p_comms else None,
         )  # fmt: skip
-    batch_deg = lambda sz: math.prod(sz.get(a, 1) for a in _batch_axes(step))
+    batch_deg = lambda sz: math.prod(sz.get(a, 1) for a in _batch_axes(step, batch))
     token_ratio = batch_deg(r.mesh) / batch_deg(target)
     params = _tree_bytes(state.params, step.param_shardings, target)
     opt = _tree_bytes(state.opt_state, step.opt_shardings, target)
@@ -283,10 +304,10 @@ def _scale(r: Report, step: Any, state: Any, target: dict[str, int], cfg: Any, n
     )  # fmt: skip
 
 
-def _batch_axes(step: Any) -> tuple[str, ...]:
-    """Mesh axes the batch's dims (batch and sequence) are split over: the per-device token degree."""
-    entries = [e for e in tuple(step.batch_sharding.spec) if e is not None]
-    return tuple(a for e in entries for a in ((e,) if isinstance(e, str) else e))
+def _batch_axes(step: Any, batch: Any) -> tuple[str, ...]:
+    """Mesh axes the batch's leaves are split over (batch and, for sequences, seq): the per-device work degree."""
+    specs = [sh.spec for sh in jax.tree.leaves(step.batch_shardings(batch))]
+    return tuple(sorted({a for spec in specs for a in costmodel_rules.spec_axes(spec)}))
 
 
 __all__ = ["Report", "explain", "predict"]
