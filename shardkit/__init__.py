@@ -1,6 +1,6 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
-from shardkit import attention, checkpoint, collectives, costmodel, kernels, layers, pipeline, tensor3d, train
+from shardkit import attention, checkpoint, collectives, costmodel, kernels, layers, train
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.errors import ShardkitError
@@ -14,6 +14,7 @@ from shardkit.init import (
     state_logical_axes,
 )
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
+from shardkit.parallel import pipeline, tensor3d
 from shardkit.rules import constrain, logical_to_spec, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.train import TrainState, TrainStep, make_train_step

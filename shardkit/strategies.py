@@ -328,10 +328,11 @@ register_strategy(
 
 
 # ------------------------------------------------------------------------------------------------------------
-# AxoNN 4D (Singh et al. 2305.13525; shardkit/tensor3d.py): tokens over data x depth, the residual stream's embed
-# over col, heads / mlp / vocab over row; weights additionally split over depth (FSDP-like). GSPMD compiles the
-# projections to AxoNN's collectives: weight all-gathers over depth, output all-reduces over col (QKV, MLP-in)
-# or row (attention-out, MLP-out: the "transposed" layers), input-gradient all-reduces over the other axis.
+# AxoNN 4D (Singh et al. 2305.13525; shardkit/parallel/tensor3d.py): tokens over data x depth, the residual
+# stream's embed over col, heads / mlp / vocab over row; weights additionally split over depth (FSDP-like). GSPMD
+# compiles the projections to AxoNN's collectives: weight all-gathers over depth, output all-reduces over col
+# (QKV, MLP-in) or row (attention-out, MLP-out: the "transposed" layers), input-gradient all-reduces over the
+# other axis.
 _TP3D = {"heads": "row", "kv_heads": "row", "mlp": "row", "vocab": "row"}
 register_strategy(
     Strategy(
@@ -346,10 +347,11 @@ register_strategy(
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Pipeline parallelism (shardkit/pipeline.py): the stacked `layers` axis of the parameters rests on `stage`, and
-# `layers="pipeline:<schedule>[:<microbatches>[:<virtual stages>]]"` picks the kernel (gpipe | 1f1b | circular;
-# microbatches default to the stage count). Other axes work inside the pipeline through the usual rules.
-from shardkit import pipeline as _pipeline  # noqa: E402, F401  (registers the "pipeline" layer-stack kernel)
+# Pipeline parallelism (shardkit/parallel/pipeline.py): the stacked `layers` axis of the parameters rests on
+# `stage`, and `layers="pipeline:<schedule>[:<microbatches>[:<virtual stages>]]"` picks the kernel (gpipe |
+# 1f1b | circular; microbatches default to the stage count). Other axes work inside the pipeline through the
+# usual rules.
+from shardkit.parallel import pipeline as _pipeline  # noqa: E402, F401  (registers the "pipeline" layer-stack kernel)
 
 for _name, _params, _compute, _required, _what in (
     ("pp", {}, {}, ("stage",), "layers over stage only"),

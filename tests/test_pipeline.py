@@ -1,4 +1,4 @@
-"""Pipeline parallelism (shardkit/pipeline.py): schedule tables, training parity, bad input, gradient
+"""Pipeline parallelism (shardkit/parallel/pipeline.py): schedule tables, training parity, bad input, gradient
 reduction structure, memory.
 
 Parity tolerance as in test_parity.py: the pipelined and one-device programs sum in a different order (per
@@ -80,7 +80,7 @@ def test_parse_layers_names():
 # ------------------------------------------------------------------------------------------- bad input
 def _stack_call(layers: str, num_layers: int = 8, batch: int = 16) -> None:
     mesh = sk.make_mesh("stage=4", jax.devices()[:4])
-    ctx = ShardingContext(mesh, {}, options=(("layers", layers),))
+    ctx = ShardingContext(mesh, {}, kernels={"layers": layers})
     stacked = {"w": jnp.zeros((num_layers, 2))}
     pp.pipeline_stack(lambda w, x: x, stacked, jnp.zeros((batch, 2)), context=ctx)
 
@@ -156,7 +156,7 @@ def test_gradients_are_reduced_over_the_batch_axes_once_per_step_not_per_microba
 
 def test_microbatch_rows_must_divide_over_the_batch_axes():
     mesh = _mesh("stage=2,fsdp=4")
-    ctx = ShardingContext(mesh, {"batch": ("fsdp",)}, options=(("layers", "pipeline:gpipe:4"),))
+    ctx = ShardingContext(mesh, {"batch": ("fsdp",)}, kernels={"layers": "pipeline:gpipe:4"})
     with pytest.raises(sk.ShardkitError, match=r"microbatch of 2 rows \(batch 8 / 4\).*size 4"):
         pp.pipeline_stack(lambda w, x: x, {"w": jnp.zeros((8, 2))}, jnp.zeros((8, 2)), context=ctx)
 
