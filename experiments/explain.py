@@ -23,30 +23,16 @@ import ml_collections
 from absl import app, flags, logging
 
 import shardkit as sk
-from experiments import data, runtime
+from experiments import data, runtime, tasks
 from experiments import train as tr  # sets XLA_FLAGS (virtual CPU devices) before jax is imported
 from models.gpt import GPT
 from shardkit.explain import Report, explain
-from shardkit.mesh import parse_spec, resolve_axes
 
 _JSON = flags.DEFINE_string("json", "", "also write the report as JSON to this path")
 _PLOT = flags.DEFINE_string("plot", "", "also write a PNG bar chart to this path")
 
 
-def target_axes(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-    """The plan's mesh: `config.mesh` ("axis=n,..." or a preset name; "" = the hardware preset's mesh)."""
-    spec = config.mesh
-    if not spec:
-        preset = runtime.resolve_preset(config.hardware)
-        if preset is None:
-            raise sk.ShardkitError(
-                "config.mesh is empty and config.hardware='auto' matched no preset; give --config.mesh"
-            )
-        return dict(preset.axes)
-    if spec.strip().replace("-", "_").isidentifier():
-        return dict(sk.load_preset(spec.strip()).axes)
-    axes = parse_spec(spec)
-    return resolve_axes(axes, num_devices) if -1 in axes.values() else {a: int(n) for a, n in axes.items()}
+target_axes = runtime.target_axes  # (config, devices) -> the plan's mesh; "auto" fits the strategy
 
 
 def fit_mesh(axes: dict[str, int], num_devices: int) -> tuple[dict[str, int], str]:
@@ -67,11 +53,13 @@ def fit_mesh(axes: dict[str, int], num_devices: int) -> tuple[dict[str, int], st
 
 
 def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
-    """(report, header) for the plan `config` describes; no data read, no parameter allocated."""
+    """(report, header) for the plan `config` describes; no parameter allocated. A GPT config reads no data (its
+    vocabulary is the byte tokenizer's); an image config reads the bundled dataset's shape and classes."""
     for key in ("batch_size", "seq_len", "microbatches"):
-        if config[key] < 1:
+        if key in config and config[key] < 1:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
-    if config.data.path and not config.model.vocab_size:
+    lm = config.get("task", "lm") == "lm"
+    if lm and config.data.path and not config.model.vocab_size:
         raise sk.ShardkitError("explain reads no data: with data.path set, give --config.model.vocab_size")
     strategy = sk.strategy(config.strategy)
     n_here = jax.device_count()
@@ -79,17 +67,26 @@ def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
     built, how = fit_mesh(target, n_here)
     mesh = sk.make_mesh(built, jax.devices()[: math.prod(built.values())])
     strategy.bind(mesh)
-    model_cfg = tr.model_config(config, data.VOCAB_SIZE)
     tx, _ = tr.make_optimizer(config.optimizer, max(config.steps, config.optimizer.warmup_steps + 1))
-    abstract = sk.abstract_model(lambda rngs: GPT(model_cfg, rngs=rngs), config.seed)
-    step = sk.make_train_step(abstract, tx, mesh, strategy, microbatches=config.microbatches)
-    tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=step.batch_sharding)
+    if lm:
+        model_cfg = tr.model_config(config, data.VOCAB_SIZE)
+        abstract = sk.abstract_model(lambda rngs: GPT(model_cfg, rngs=rngs), config.seed)
+        step = sk.make_train_step(abstract, tx, mesh, strategy, microbatches=config.microbatches)
+        tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=step.batch_sharding)
+        batch = {"inputs": tokens, "targets": tokens}
+    else:
+        task = tasks.build_task(config)
+        model_cfg = task.model_cfg
+        abstract = sk.abstract_model(task.make_model, config.seed)
+        step = sk.make_train_step(abstract, tx, mesh, strategy, loss_fn=task.loss_fn, batch_axes=task.batch_axes,
+                                  microbatches=config.microbatches)  # fmt: skip
+        batch = task.batch_spec(step)
     scaled = built != target
-    report = explain(step, step.abstract_state(), {"inputs": tokens, "targets": tokens}, model_cfg=model_cfg,
-                     target_mesh=target if scaled else None)  # fmt: skip
+    report = explain(step, step.abstract_state(), batch, model_cfg=model_cfg, target_mesh=target if scaled else None)
     grid = lambda m: ",".join(f"{a}={n}" for a, n in m.items())
     header = (f"{config.config_name}: {model_cfg.num_params() / 1e6:.2f}M parameters, {config.strategy}, "
-              f"mesh {grid(target)} ({math.prod(target.values())} devices)")  # fmt: skip
+              f"mesh {grid(target)} ({math.prod(target.values())} devices"
+              f"{', auto: --config.mesh=... to choose' if config.mesh.strip() == 'auto' else ''})")  # fmt: skip
     if scaled:
         header += (f"\nthis machine has {n_here} {jax.devices()[0].platform} devices, fewer than the plan's "
                    f"{math.prod(target.values())}: XLA cannot compile for devices it lacks, so the step is compiled on "

@@ -1,10 +1,13 @@
 """Loss and throughput curves of one or more runs, overlaid, to compare strategies at a glance.
 
     python -m experiments.plot runs/gpt_tiny-fsdp runs/gpt_tiny-tp [--out compare.png] [--smooth 20]
+    python -m experiments.plot runs/resnet_digits-dp runs/resnet_digits-fsdp
 
 Left: training loss (thin; a moving average over `--smooth` steps drawn on top) and validation loss (dots joined
-by a dashed line) against the step, with the corpus's unigram entropy as the baseline to beat. Right: tokens/s per
-step (moving average), with each run's median tokens/s and MFU in the legend. Reads `metrics.jsonl` and
+by a dashed line) against the step, with the baseline to beat: the corpus's unigram entropy (language models) or
+the chance loss ln(classes) (classifiers). Middle, when a run logged accuracy (image classification): training
+accuracy (moving average) and validation accuracy (dots). Right: throughput per step (moving average; tokens/s, or
+examples/s for runs that count examples), with each run's median and MFU in the legend. Reads `metrics.jsonl` and
 `config.json` from each run directory; writes a PNG (default `<first run>/plot.png`).
 """
 
@@ -21,6 +24,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 
 
@@ -52,19 +56,30 @@ def moving_average(x: np.ndarray, n: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
+def _rate_key(recs: list[dict[str, Any]]) -> str:
+    """The throughput a run logged: tokens_per_s (language models) or examples_per_s (classifiers)."""
+    return next((k for k in ("tokens_per_s", "examples_per_s") if recs and k in recs[0]), "tokens_per_s")
+
+
 def plot(run_dirs: Sequence[str | Path], out: str | Path | None = None, smooth: int = 10) -> Path:
     """Draws the runs into one PNG and returns its path."""
     if not run_dirs:
         raise ValueError("give at least one run directory")
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(13, 4.8))
-    baseline = None
-    for i, run_dir in enumerate(run_dirs):
-        recs, config = read_run(run_dir)
+    runs = [read_run(d) for d in run_dirs]
+    with_acc = any(r.get("val_accuracy") is not None or "accuracy" in r for recs, _ in runs for r in recs)
+    fig, axes = plt.subplots(1, 3 if with_acc else 2, figsize=(19 if with_acc else 13, 4.8))
+    ax_loss, ax_tps, ax_acc = axes[0], axes[-1], axes[1] if with_acc else None
+    baselines: dict[str, float] = {}
+    units = set()
+    for i, (run_dir, (recs, config)) in enumerate(zip(run_dirs, runs, strict=True)):
         color = f"C{i % 10}"
         info = config.get("info", {})
         where = info.get("where", "").replace("strategy ", "").replace(" on mesh ", " @ ")
         label = f"{Path(run_dir).name} ({where})" if where else Path(run_dir).name
-        baseline = info.get("unigram_entropy", baseline)
+        if "unigram_entropy" in info:
+            baselines["unigram entropy"] = info["unigram_entropy"]
+        if "chance_loss" in info:
+            baselines["chance ln(classes)"] = info["chance_loss"]
         steps = np.array([r["step"] for r in recs])
         loss = np.array([r["loss"] for r in recs])
         ax_loss.plot(steps, loss, color=color, alpha=0.25, lw=0.8)
@@ -73,17 +88,36 @@ def plot(run_dirs: Sequence[str | Path], out: str | Path | None = None, smooth: 
         if val:
             vs, vl = zip(*val, strict=True)
             ax_loss.plot(vs, vl, "o--", color=color, ms=4, lw=1, label=f"{label} val ({vl[-1]:.3f})")
-        tps = np.array([r["tokens_per_s"] for r in recs])
+        if ax_acc is not None:
+            acc = [(r["step"], r["accuracy"]) for r in recs if r.get("accuracy") is not None]
+            if acc:
+                a_s, a_v = (np.array(x) for x in zip(*acc, strict=True))
+                ax_acc.plot(a_s, moving_average(a_v, smooth), color=color, lw=1.2, alpha=0.6, label=f"{label} train")
+            val_acc = [(r["step"], r["val_accuracy"]) for r in recs if r.get("val_accuracy") is not None]
+            if val_acc:
+                vs, va = zip(*val_acc, strict=True)
+                ax_acc.plot(vs, va, "o--", color=color, ms=4, lw=1, label=f"{label} val ({va[-1]:.2%})")
+        key = _rate_key(recs)
+        units.add(key.removesuffix("_per_s"))
+        tps = np.array([r[key] for r in recs])
         mfus = [r["mfu"] for r in recs[1:] if r.get("mfu") is not None]
         med = statistics.median(tps[1:]) if len(tps) > 1 else (tps[0] if len(tps) else 0.0)
         mfu = f", MFU {statistics.median(mfus):.1%}" if mfus else ""
-        ax_tps.plot(steps, moving_average(tps, smooth), color=color, lw=1.4, label=f"{label}: {med:,.0f} tok/s{mfu}")
-    if baseline is not None:
-        ax_loss.axhline(baseline, color="gray", ls=":", lw=1, label=f"unigram entropy {baseline:.3f}")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="loss")
-    ax_tps.set(xlabel="step", ylabel="tokens / s", title=f"throughput (moving average over {smooth} steps)")
+        short = "tok/s" if key == "tokens_per_s" else "ex/s"
+        ax_tps.plot(steps, moving_average(tps, smooth), color=color, lw=1.4, label=f"{label}: {med:,.0f} {short}{mfu}")
+    for (name, value), ls in zip(baselines.items(), (":", "-."), strict=False):
+        ax_loss.axhline(value, color="gray", ls=ls, lw=1, label=f"{name} {value:.3f}")
+    ylabel = "cross-entropy (nats/token)" if "unigram entropy" in baselines else "cross-entropy (nats)"
+    ax_loss.set(xlabel="step", ylabel=ylabel, title="loss")
+    if any(key in baselines for key in ("chance ln(classes)",)) and "unigram entropy" not in baselines:
+        ax_loss.set_yscale("log")  # a classifier's loss falls by orders of magnitude
+    ax_tps.set(xlabel="step", ylabel=" or ".join(f"{u} / s" for u in sorted(units)),
+               title=f"throughput (moving average over {smooth} steps)")  # fmt: skip
     ax_tps.set_ylim(bottom=0)
-    for ax in (ax_loss, ax_tps):
+    if ax_acc is not None:
+        ax_acc.set(xlabel="step", ylabel="accuracy", title="accuracy (train: moving average; val: eval mode)")
+        ax_acc.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -26,6 +26,26 @@ def resolve_preset(name: str) -> sk.HardwarePreset | None:
     return min(found, key=lambda p: p.num_devices != n, default=None)
 
 
+def target_axes(config: Any, num_devices: int) -> dict[str, int]:
+    """The run's mesh from `config.mesh`: "auto" (the default) = a mesh the strategy fits on `num_devices`
+    (`Strategy.default_mesh`), "axis=n,..." (one n may be -1), a preset name, or "" = the hardware preset's mesh.
+    An explicit mesh is taken as given: if it does not fit the strategy, binding it raises the ShardkitError."""
+    from shardkit.mesh import parse_spec, resolve_axes
+
+    spec = config.mesh.strip()
+    if spec == "auto":
+        return sk.strategy(config.strategy).default_mesh(num_devices)
+    if not spec:
+        preset = resolve_preset(config.hardware)
+        if preset is None:
+            raise sk.ShardkitError("config.mesh is empty and hardware='auto' matched no preset; give --config.mesh")
+        return dict(preset.axes)
+    if spec.replace("-", "_").isidentifier():
+        return dict(sk.load_preset(spec).axes)
+    axes = parse_spec(spec)
+    return resolve_axes(axes, num_devices) if -1 in axes.values() else {a: int(n) for a, n in axes.items()}
+
+
 def calibrate_peak_flops(devices: Sequence[jax.Device], n: int = 512, reps: int = 20) -> float:
     """Per-device FLOP/s of an fp32 [n, n] @ [n, n] matmul run on all `devices` at once (best of `reps`)."""
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))

@@ -1,16 +1,20 @@
-"""Train a GPT under any shardkit strategy: config files + flags, real data, checkpoints, metrics, MFU.
+"""Train a model under any shardkit strategy: config files + flags, real data, checkpoints, metrics, MFU.
 
     python -m experiments.train                          # gpt_tiny: fsdp on 8 virtual CPU devices, ~2.5 min
     python -m experiments.train --config.strategy=tp --config.mesh="data=2,tensor=4"          # another strategy
     python -m experiments.train --config=experiments/configs/gpt_1b.py --config.data.path=/data/owt   # a pod
+    python -m experiments.train --config=experiments/configs/resnet_digits.py     # a ResNet on digits, dp, ~1 min
 
-Writes `<run_dir>/<name>/` (name: `--config.name`, default `<config_name>-<strategy>`): `config.json` (the resolved
-config; `experiments.sample` rebuilds the model from it), `metrics.jsonl` (per step: step, loss, grad_norm, lr,
-tokens, step_time, tokens_per_s, mfu, + val_loss on eval steps; `experiments.plot` draws it) and
-`checkpoints/<step>/`. Rerunning the same command resumes from the last checkpoint exactly (same losses: the data
-order is a function of the step, the optimizer state is in the checkpoint); `--config.name=<run>` with another
-mesh or strategy resumes that run resharded. SIGTERM / Ctrl-C finish the step, checkpoint and exit; a NaN or Inf
-stops the run and keeps the last good checkpoint. `train(config) -> summary` is the in-process API.
+`config.task` picks the model family (experiments/tasks.py): "lm" (GPT on tokens, the default) or
+"image_classification" (ResNet on images). Writes `<run_dir>/<name>/` (name: `--config.name`, default
+`<config_name>-<strategy>`): `config.json` (the resolved config; `experiments.sample` rebuilds a GPT from it),
+`metrics.jsonl` (per step: step, loss, the loss's own metrics (accuracy), grad_norm, lr, tokens or examples,
+step_time, tokens_per_s or examples_per_s, mfu, + val_loss (val_accuracy) on eval steps; `experiments.plot`
+draws it) and `checkpoints/<step>/`. Rerunning the same command resumes from the last checkpoint exactly (same
+losses: the data order is a function of the step; the optimizer state, BatchNorm statistics and dropout's RNG
+counter are in the checkpoint); `--config.name=<run>` with another mesh or strategy resumes that run resharded.
+SIGTERM / Ctrl-C finish the step, checkpoint and exit; a NaN or Inf stops the run and keeps the last good
+checkpoint. `train(config) -> summary` is the in-process API.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -47,9 +50,9 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
-from experiments import data
+from experiments import data, runtime  # noqa: F401  (tests patch experiments.train.data)
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
-from models.gpt import GPT, GPTConfig
+from experiments.tasks import ImageTask, LMTask, build_task, model_config  # noqa: F401  (explain uses model_config)
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "gpt_tiny.py")
@@ -64,33 +67,25 @@ _PID = flags.DEFINE_integer("process_id", -1, "this process's index (sets JAX_PR
 
 # ------------------------------------------------------------------------------------------------------ building
 def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup + cosine decay to lr * min_lr_ratio, global-norm clipping, no decay on norms."""
+    """AdamW with linear warmup + cosine decay to lr * min_lr_ratio, global-norm clipping, no decay on norms.
+
+    optimizer.warmup_steps < 0 (the default) = min(30, schedule length // 10), the schedule length being
+    optimizer.decay_steps or steps."""
     if opt.name != "adamw":
         raise sk.ShardkitError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
     decay = opt.decay_steps or steps
-    if not 0 <= opt.warmup_steps < decay:
+    warmup = opt.warmup_steps if opt.warmup_steps >= 0 else min(30, decay // 10)
+    if not warmup < decay:
         raise sk.ShardkitError(
-            f"optimizer.warmup_steps={opt.warmup_steps} must be in [0, {decay}) (the schedule length: "
-            f"optimizer.decay_steps or steps); set --config.optimizer.warmup_steps={decay // 10}"
+            f"optimizer.warmup_steps={warmup} must be < {decay} (the schedule length: optimizer.decay_steps or "
+            f"steps); set --config.optimizer.warmup_steps={decay // 10}, or -1 for min(30, {decay} // 10)"
         )
-    schedule = optax.warmup_cosine_decay_schedule(0.0, opt.lr, opt.warmup_steps, decay, opt.lr * opt.min_lr_ratio)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, decay, opt.lr * opt.min_lr_ratio)
     decay_mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "norm" not in jax.tree_util.keystr(path), params
     )
     adamw = optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decay_mask)
     return (optax.chain(optax.clip_by_global_norm(opt.grad_clip), adamw) if opt.grad_clip else adamw), schedule
-
-
-def model_config(config: ml_collections.ConfigDict, data_vocab: int) -> GPTConfig:
-    """GPTConfig from config.model; vocab_size 0 = the data's (padded to 128), max_seq_len 0 = seq_len."""
-    fields = dict(config.model)
-    fields["vocab_size"] = fields["vocab_size"] or -(-data_vocab // 128) * 128
-    fields["max_seq_len"] = fields["max_seq_len"] or config.seq_len
-    if fields["vocab_size"] < data_vocab:
-        raise sk.ShardkitError(f"model.vocab_size={fields['vocab_size']} < the data's vocabulary {data_vocab}")
-    if config.seq_len > fields["max_seq_len"]:
-        raise sk.ShardkitError(f"seq_len={config.seq_len} > model.max_seq_len={fields['max_seq_len']}")
-    return GPTConfig(**fields)
 
 
 def _mb(n: float) -> str:
@@ -102,18 +97,21 @@ class Run:
     """Everything `train` builds before it touches parameters: validated, nothing compiled yet."""
 
     mesh: jax.sharding.Mesh
-    model_cfg: GPTConfig
+    task: LMTask | ImageTask  # the model family: model config, data, batches (experiments/tasks.py)
     step: sk.TrainStep  # built on the abstract model: shardings and jitted functions, no parameters
     schedule: optax.Schedule
-    ds: data.TokenDataset
     dir: Path
     preset: sk.HardwarePreset | None
+
+    @property
+    def model_cfg(self) -> Any:
+        return self.task.model_cfg
 
 
 def build(config: ml_collections.ConfigDict) -> Run:
     """Validates the config against the devices and data (ShardkitError with the fix) and builds the train step."""
     for key in ("steps", "batch_size", "seq_len", "microbatches", "keep", "eval_batches"):
-        if config[key] < 1:
+        if key in config and config[key] < 1:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
     strategy = sk.strategy(config.strategy)
     if strategy.layers.startswith("pipeline") and config.get("pipeline"):  # schedule / microbatches flags
@@ -121,26 +119,18 @@ def build(config: ml_collections.ConfigDict) -> Run:
         v = f":{pp.virtual_stages}" if pp.virtual_stages else ""
         strategy = strategy.replace(layers=f"pipeline:{pp.schedule}:{pp.microbatches}{v}")
     preset = resolve_preset(config.hardware)
-    mesh = sk.make_mesh(config.mesh or (preset.axes if preset else {"fsdp": -1}))  # "": the preset's mesh
+    mesh = sk.make_mesh(runtime.target_axes(config, jax.device_count()))  # "auto": one the strategy fits
     strategy.bind(mesh)
-    try:
-        d = config.data
-        ds = data.load_dataset(
-            d.path or None,
-            cache_dir=d.cache_dir or None,
-            bin_dtype=np.dtype(d.bin_dtype),
-            max_files=d.max_files or None,
-        )
-        data.batch_offsets(min(len(ds.train), len(ds.val)), 0, 0, config.seq_len)
-    except (OSError, ValueError) as e:
-        raise sk.ShardkitError(f"data.path={config.data.path or '(stdlib)'}: {e}") from e
-    model_cfg = model_config(config, ds.vocab_size)
+    task = build_task(config)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
-    abstract = sk.abstract_model(lambda rngs: GPT(model_cfg, rngs=rngs), config.seed)
-    step = sk.make_train_step(abstract, tx, mesh, strategy, microbatches=config.microbatches)
-    step.check_batch({"inputs": jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)})
+    abstract = sk.abstract_model(task.make_model, config.seed)
+    step = sk.make_train_step(abstract, tx, mesh, strategy, loss_fn=task.loss_fn, batch_axes=task.batch_axes,
+                              microbatches=config.microbatches)  # fmt: skip
+    step.check_batch(task.batch_spec())
+    if isinstance(task, ImageTask):  # the validation batches too (evaluate checks them like training batches)
+        step.check_batch(task.batch_spec(size=task.val_batch_size), microbatches=1)
     name = config.name or f"{config.config_name}-{config.strategy}"
-    return Run(mesh, model_cfg, step, schedule, ds, Path(config.run_dir).expanduser() / name, preset)
+    return Run(mesh, task, step, schedule, Path(config.run_dir).expanduser() / name, preset)
 
 
 # ------------------------------------------------------------------------------------------------------ running
@@ -176,11 +166,13 @@ def _step_of(line: str) -> float:
 
 class _Log:
     """Per-step records to metrics.jsonl (process 0; lines past `start` left by a killed run are dropped), progress
-    bar or lines, and the NaN check."""
+    bar or lines, and the NaN check. Throughput is counted on the host: the task's units (tokens, examples) per step."""
 
     def __init__(self, config: ml_collections.ConfigDict, run: Run, start: int, peak: float, say: Callable, bar: bool):
         self.config, self.say, self.records, self.t_last = config, say, [], time.perf_counter()
-        self.flops = run.model_cfg.flops_per_token(config.seq_len) / (peak * run.mesh.devices.size) if peak else 0.0
+        task = run.task
+        self.unit, self.short, self.units = task.unit, task.short, task.units_per_step
+        self.flops = task.flops_per_unit / (peak * run.mesh.devices.size) if peak else 0.0
         self.lrs = np.asarray(run.schedule(np.arange(config.steps + 1)))
         self.bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True) if bar else None
         self.file = None
@@ -195,22 +187,25 @@ class _Log:
     def record(self, k: int, metrics: dict[str, jax.Array], last_good: str) -> dict[str, Any]:
         """Blocks on step k's metrics; a non-finite loss or gradient norm raises NonFiniteError."""
         m, now = jax.device_get(metrics), time.perf_counter()
-        loss, gnorm, tokens, dt = float(m["loss"]), float(m["grad_norm"]), int(m["tokens"]), now - self.t_last
+        loss, gnorm, dt = float(m.pop("loss")), float(m.pop("grad_norm")), now - self.t_last
         if not (math.isfinite(loss) and math.isfinite(gnorm)):
             raise NonFiniteError(
                 f"step {k}: loss {loss}, grad_norm {gnorm} is not finite; stopped without saving. The last good "
                 f"checkpoint is {last_good}: lower optimizer.lr or raise warmup_steps, then rerun to resume from it"
             )
         self.t_last = now
-        rec = dict(step=k, loss=loss, grad_norm=gnorm, lr=float(self.lrs[k - 1]), tokens=tokens, step_time=dt)
-        rec.update(tokens_per_s=tokens / dt, mfu=tokens / dt * self.flops if self.flops else None)
+        rec = dict(step=k, loss=loss, **{key: float(v) for key, v in m.items()}, grad_norm=gnorm)
+        rec.update({"lr": float(self.lrs[k - 1]), self.unit: self.units, "step_time": dt})
+        rate = self.units / dt
+        rec.update({f"{self.unit}_per_s": rate, "mfu": rate * self.flops if self.flops else None})
         self.records.append(rec)
         return rec
 
     def emit(self, rec: dict[str, Any]) -> None:
         if self.file:
             self.file.write(json.dumps(rec) + "\n")
-        text = f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
+        text = f"loss {rec['loss']:.3f}" + (f" | acc {rec['accuracy']:.1%}" if "accuracy" in rec else "")
+        text += f" | {rec[f'{self.unit}_per_s']:,.0f} {self.short}/s"
         text += f" | MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)  # shown by the update's refresh
@@ -218,12 +213,24 @@ class _Log:
         elif rec["step"] % self.config.log_every == 0 or "val_loss" in rec:
             self.say(f"step {rec['step']:>6}/{self.config.steps} | {text}")
         if "val_loss" in rec:
-            self.say(f"step {rec['step']}: val_loss {rec['val_loss']:.4f}")
+            self.say(f"step {rec['step']}: {_val_text(rec)}")
 
     def close(self) -> None:
         for f in (self.bar, self.file):
             if f is not None:
                 f.close()
+
+
+def _val_text(rec: dict[str, Any]) -> str:
+    acc = f" | val_accuracy {rec['val_accuracy']:.2%}" if rec.get("val_accuracy") is not None else ""
+    return f"val_loss {rec['val_loss']:.4f}{acc}"
+
+
+def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any]) -> dict[str, float]:
+    """val_loss and val_<metric> for each of the loss's metrics: means over equal-sized batches, eval mode."""
+    outs = [jax.device_get(step.evaluate(state, v)) for v in batches]
+    val = {"val_loss": float(np.mean([loss for loss, _ in outs]))}
+    return val | {f"val_{k}": float(np.mean([aux[k] for _, aux in outs])) for k in outs[0][1]}
 
 
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -247,20 +254,13 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], None]) -> dict[str, Any]:
     """Prints what is about to run; returns the run's `info` (also stored in config.json)."""
-    step, mesh, mcfg, ds, n_dev = run.step, run.mesh, run.model_cfg, run.ds, run.mesh.devices.size
+    step, mesh, n_dev = run.step, run.mesh, run.mesh.devices.size
     where = f"{step.strategy.name} on mesh {','.join(f'{a}={n}' for a, n in mesh.shape.items())}"
+    if config.mesh.strip() == "auto":
+        where += " (auto: --config.mesh=... to choose)"
     say(f"shardkit: {run.dir} | {where} | {n_dev} x {jax.devices()[0].device_kind}, {jax.process_count()} process(es)")
     say(f"  strategy {step.strategy.name}: {step.strategy.description}")
-    say(
-        f"model: {mcfg.num_params() / 1e6:.2f}M params ({mcfg.num_params(False) / 1e6:.2f}M non-embedding), "
-        f"{mcfg.num_layers} x {mcfg.d_model}, {mcfg.flops_per_token(config.seq_len) / 1e6:.1f} MFLOP/token; "
-        f"batch {config.batch_size} x {config.seq_len} = {config.batch_size * config.seq_len:,} tokens/step"
-    )
-    entropy = ds.unigram_entropy_nats()
-    say(
-        f"data: {ds.name}, train {len(ds.train):,} / val {len(ds.val):,} tokens; unigram entropy {entropy:.3f} "
-        "nats/token = the loss of predicting by token frequency alone: the baseline to beat clearly"
-    )
+    info = run.task.describe(say)
     preset = run.preset
     peak = config.peak_flops or (preset.peak_flops if preset else 0.0)
     if not peak and jax.devices()[0].platform == "cpu":
@@ -274,21 +274,16 @@ def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], No
     else:
         say(f"peak: unknown for {jax.devices()[0].device_kind}: no MFU (give --config.peak_flops or a preset)")
     hbm = preset.hbm_bytes if preset else 0.0
-    return dict(where=where, unigram_entropy=entropy, data_vocab_size=ds.vocab_size, peak_flops=peak, hbm=hbm)
+    return dict(where=where, task=run.task.kind, **info, peak_flops=peak, hbm=hbm)
 
 
 def _train(
     config: ml_collections.ConfigDict, run: Run, ckpt: Checkpointer, say: Callable[[str], None], bar: bool, t0: float
 ) -> dict[str, Any]:
-    step, ds, b, t = run.step, run.ds, config.batch_size, config.seq_len
+    step, task = run.step, run.task
     info = _header(config, run, say)
-    batch_shape = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=step.batch_sharding)
-    # Context parallelism: the loader lays tokens out for the ring (zigzag / striped) and adds their positions.
-    layout, ring = sk.attention.strategy_layout(step.strategy.attention, step.mesh)
-    perm = None if layout == "contiguous" else sk.attention.layout_perm(layout, t, ring)
     t_compile = time.perf_counter()
-    batch_keys = ("inputs", "targets") if perm is None else ("inputs", "targets", "positions")
-    compiled = step.lower(step.abstract_state(), dict.fromkeys(batch_keys, batch_shape)).compile()
+    compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
     say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
     start = ckpt.latest_step()
     if start is not None:
@@ -297,7 +292,7 @@ def _train(
         if meta.get("seed", config.seed) != config.seed:
             say(f"warning: seed {config.seed} differs from the run's {meta['seed']}: the data order changes here")
     else:
-        model = sk.sharded_init(lambda r: GPT(run.model_cfg, rngs=r), run.mesh, step.strategy, seed=config.seed)
+        model = sk.sharded_init(task.make_model, run.mesh, step.strategy, seed=config.seed)
         state, start = step.init_state(model), 0
     mem = bytes_per_device((state.params, state.opt_state))
     temp, hbm = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0), info.pop("hbm")
@@ -311,13 +306,13 @@ def _train(
         (run.dir / "config.json.tmp").write_text(json.dumps(resolved, indent=2))
         os.replace(run.dir / "config.json.tmp", run.dir / "config.json")
 
-    val = data.val_batches(ds, config.eval_batches, b, t, step.batch_sharding, perm)
+    val = task.val_batches(step)
     log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar), None, None
     last_good = lambda: f"step {ckpt.latest_step()} in {ckpt.directory}"
     try:
         with _Stop() as stop:
             for s in range(start, config.steps):
-                batch = data.global_batch(ds, s, b, t, step.batch_sharding, seed=config.seed, perm=perm)
+                batch = task.train_batch(step, s)
                 state, metrics = compiled(state, batch)  # dispatched: the host goes on while the devices work
                 if pending:
                     log.emit(log.record(*pending, last_good()))
@@ -327,7 +322,7 @@ def _train(
                 if evaluate or save:
                     rec, pending = log.record(*pending, last_good()), None
                     if evaluate:
-                        rec["val_loss"] = float(np.mean([float(step.eval_loss(state.params, v)) for v in val]))
+                        rec.update(_evaluate(step, state, val))
                     log.emit(rec)
                     if save:
                         ckpt.save(state, {"step": k, "where": info["where"], "seed": config.seed})
@@ -338,25 +333,37 @@ def _train(
                     break
     finally:
         log.close()
+    return _summary(config, run, info, log.records, state, start, stopped, mem, t0, say)
 
-    recs = log.records
-    tps = [r["tokens_per_s"] for r in recs[1:] or recs]
-    val_loss = next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), None)
-    summary = dict(run_dir=str(run.dir), start_step=start, step=int(state.step), stopped=stopped, val_loss=val_loss)
+
+def _summary(config: ml_collections.ConfigDict, run: Run, info: dict, recs: list, state: sk.TrainState, start: int,
+             stopped: str | None, mem: dict, t0: float, say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """The summary dict `train` returns, and the closing line."""
+    rate_key = f"{run.task.unit}_per_s"
+    rates = [r[rate_key] for r in recs[1:] or recs]
+    last_val = next((r for r in reversed(recs) if "val_loss" in r), {})
+    summary = dict(run_dir=str(run.dir), start_step=start, step=int(state.step), stopped=stopped)
+    summary.update(val_loss=last_val.get("val_loss"), val_accuracy=last_val.get("val_accuracy"))
     summary.update(
         losses=[r["loss"] for r in recs], loss=recs[-1]["loss"] if recs else None, wall_s=time.perf_counter() - t0
     )
-    summary.update(tokens_per_s=statistics.median(tps) if tps else None, unigram_entropy=info["unigram_entropy"])
+    summary.update({rate_key: statistics.median(rates) if rates else None})
+    summary.update({k: info[k] for k in ("unigram_entropy", "chance_loss", "chance_accuracy") if k in info})
     summary.update(mfu=statistics.median(r["mfu"] for r in recs) if recs and info["peak_flops"] else None)
     summary.update(num_params=run.model_cfg.num_params(), bytes_per_device=max(mem.values()))
     if not recs:
         say(f"nothing to do: the run is already at step {start} of {config.steps} (raise --config.steps to go on)")
-    else:
-        vs = f" | val_loss {val_loss:.4f} vs unigram entropy {info['unigram_entropy']:.3f}" if val_loss else ""
-        say(
-            f"done: step {summary['step']} in {summary['wall_s']:.0f} s | loss {summary['loss']:.4f}{vs} | "
-            f"{summary['tokens_per_s']:,.0f} tok/s median"
-        )
+        return summary
+    vs = ""
+    if last_val and "unigram_entropy" in info:
+        vs = f" | val_loss {last_val['val_loss']:.4f} vs unigram entropy {info['unigram_entropy']:.3f}"
+    elif last_val:
+        vs = f" | {_val_text(last_val)} (chance {info['chance_accuracy']:.1%})"
+    mfu = f" | MFU {summary['mfu']:.1%} median" if summary["mfu"] is not None else " | MFU not computed (no peak)"
+    say(
+        f"done: step {summary['step']} in {summary['wall_s']:.0f} s | loss {summary['loss']:.4f}{vs} | "
+        f"{summary[rate_key]:,.0f} {run.task.short}/s median{mfu}"
+    )
     return summary
 
 

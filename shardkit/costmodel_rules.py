@@ -6,7 +6,9 @@ logical names under the compute rules, C) and where the optimizer updates it (op
 the mesh axes the batch is split over (B = the compute rule of `batch`). Per parameter of n bytes:
 
 - forward: all-gather over S - C of the n/|C| compute shard (ZeRO-3's gather); parameters with a `layers`
-  dimension are gathered again in the backward (a scanned stack does not keep gathered weights as residuals);
+  dimension are gathered again in the backward (a scanned stack does not keep gathered weights as residuals).
+  XLA may re-gather other parameters in the backward too: it does for every convolution kernel of
+  models/resnet.py under fsdp (compiled all-gathers 2x the prediction), not for the GPT's embedding and head;
 - backward: its gradient, a partial sum over the batch shards, is reduce-scattered over (B ∩ O) - C (ZeRO's
   reduce-scatter; on XLA:CPU an all-reduce of the whole buffer, see JAX_NOTES.md) and all-reduced over the
   rest of B - C (data parallelism);

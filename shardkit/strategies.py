@@ -190,7 +190,8 @@ register_strategy(
         _rules(**_FSDP),
         _rules(batch=_DP_FSDP),
         required_axes=("fsdp",),
-        description="batch over data x fsdp; parameters, gradients, optimizer state on embed over fsdp (ZeRO-3)",
+        description="batch over data x fsdp; parameters, gradients, optimizer state on embed / channels over fsdp"
+        " (ZeRO-3)",
         collectives="all-gather of parameters (fwd and bwd), reduce-scatter of gradients over fsdp",
     )
 )
@@ -242,9 +243,10 @@ register_strategy(
         _rules(channels="tensor"),
         _rules(batch="data", channels="tensor"),
         required_axes=("tensor",),
-        description="CNNs: channels over tensor (parameters and activations), batch over data",
-        collectives="per convolution: all-gather of the input channels over tensor (fwd), reduce-scatter of their"
-        " gradient (bwd); gradient all-reduce over data",
+        description="CNNs: output channels of every convolution over tensor (parameters and activations), batch "
+        "over data",
+        collectives="activation all-gathers / all-reduces over tensor around each convolution (XLA picks them; "
+        "explain lists them); gradient all-reduce over data",
     )
 )
 

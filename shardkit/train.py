@@ -220,11 +220,11 @@ class TrainStep:
             raise ShardkitError("batch_axes is a pytree: use step.batch_shardings(batch) for its shardings")
         return NamedSharding(self.mesh, logical_to_spec(self.batch_axes, self.bound.compute_rules, self.mesh))
 
-    def check_batch(self, batch: Batch) -> None:
+    def check_batch(self, batch: Batch, microbatches: int | None = None) -> None:
         """Divisibility of every batch leaf by its mesh axes (and the leading one by microbatches), before XLA."""
         if not jax.tree.leaves(batch):
             raise ShardkitError("the batch has no arrays")
-        rules, m = self.bound.compute_rules, self.microbatches
+        rules, m = self.bound.compute_rules, self.microbatches if microbatches is None else microbatches
         leaves = jax.tree_util.tree_leaves_with_path(batch)
         all_names = jax.tree.leaves(self.batch_names(batch), is_leaf=_is_names)
         for (path, leaf), names in zip(leaves, all_names, strict=True):
@@ -280,7 +280,7 @@ class TrainStep:
             if self.has_model_state:
                 raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
             model_state = self._unwrap(self._rest)
-        self.check_batch(batch)
+        self.check_batch(batch, microbatches=1)  # evaluation takes the batch whole
         self._jit(batch)
         return self._evals[jax.tree.structure(batch)](params, model_state, batch)
 

@@ -2,9 +2,11 @@
 
 Training runs in-process (sharing the compile cache); only the SIGKILL test and the CLI error test start a
 subprocess. Exact resume is held to 1e-6 relative: the resumed run executes the same XLA program on the same
-data, so fp32 losses are expected to be bitwise equal. Resume on another mesh and strategy sums in another order:
-8 AdamW steps later the losses differ by ~2e-7 relative (ulp-level reduction-order noise, see test_parity.py); held
-to 1e-5. (Over hundreds of steps that noise grows chaotically, so long runs under different strategies agree only
+data, so fp32 losses are expected to be bitwise equal (measured: they are). Resume on another mesh and strategy
+sums in another order: 8 AdamW steps later the losses differ by <= 1.7e-7 relative (measured with YNNPACK's
+kernels; 8.7e-8 with XLA's own CPU emitters at AVX2): ulp-level reduction-order noise, which AdamW amplifies in
+parameters whose gradient is ~0 and which therefore barely move the loss (see test_parity.py); held to 1e-5.
+(Over hundreds of steps that noise grows chaotically, so long runs under different strategies agree only
 statistically, which is why these runs are short.)
 """
 
@@ -30,6 +32,7 @@ import shardkit as sk
 from experiments import plot, sample
 from experiments import train as tr
 from experiments.configs import gpt_tiny
+from models.gpt import GPTConfig
 from shardkit.checkpoint import TMP_MARKER, Checkpointer, NonFiniteError, tmp_dirs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,13 +92,21 @@ def test_loss_decreases_and_everything_is_logged(full: dict[str, Any], tmp: Path
     assert sorted(m) == list(range(1, 17)) and full["start_step"] == 0 and full["step"] == 16
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time"} <= m[1].keys()
     assert [k for k in m if "val_loss" in m[k]] == [8, 16]
-    assert m[1]["loss"] > 5.0  # ~ln(384) at initialisation
+    # Learning margins (measured, identical to 5 digits with YNNPACK's or XLA's own CPU kernels): loss 5.92 at step 1,
+    # 2.94 averaged over 13-16 (1.48 below the bound), val_loss 3.23 at 8 and 2.96 at 16.
+    assert m[1]["loss"] > 5.0  # ~ln(384) = 5.95 at initialisation
     assert np.mean([m[k]["loss"] for k in (13, 14, 15, 16)]) < m[1]["loss"] - 1.5
     assert m[16]["val_loss"] < m[8]["val_loss"] < m[1]["loss"]
-    assert m[16]["tokens_per_s"] > 0 and 0 < m[16]["mfu"] < 1.5 and m[16]["lr"] < m[3]["lr"]
+    assert m[16]["lr"] < m[3]["lr"]
     assert 2.0 < full["unigram_entropy"] < 6.0 and full["bytes_per_device"] > 0
     config = json.loads((Path(full["run_dir"]) / "config.json").read_text())
     assert config["model"]["vocab_size"] == 384 and config["info"]["data_vocab_size"] == 257
+    # Throughput and MFU are timings of this machine under its current load (benchmarks measure them; a test must
+    # not): only their definition is checked, MFU = tokens/s x FLOPs per token / (peak per device x 8 devices).
+    peak, flops = config["info"]["peak_flops"], GPTConfig(**config["model"]).flops_per_token(32)
+    assert peak > 0
+    for rec in m.values():
+        assert rec["tokens_per_s"] > 0 and rec["mfu"] == pytest.approx(rec["tokens_per_s"] * flops / (peak * 8))
     assert Checkpointer(Path(full["run_dir"]) / "checkpoints").steps() == [8, 16]
 
 
@@ -144,7 +155,7 @@ def test_bad_values_stop_before_compiling(tmp: Path, monkeypatch: pytest.MonkeyP
     cases = {
         "unknown strategy 'zero9'": {"strategy": "zero9"},
         "needs 12 devices but 8 are available": {"mesh": "data=3,fsdp=4"},
-        "strategy 'tp' does not use mesh axis 'fsdp'": {"strategy": "tp"},
+        "strategy 'tp' does not use mesh axis 'fsdp'": {"strategy": "tp", "mesh": "data=2,fsdp=4"},  # explicit
         "batch 12 is not divisible by 8": {"batch_size": 12},
         "batch 16 is not divisible by 32": {"microbatches": 4},
         "('heads' = 4) is not divisible by mesh axes ('tensor',) of size 8": {"strategy": "tp", "mesh": "tensor=8"},
@@ -153,6 +164,15 @@ def test_bad_values_stop_before_compiling(tmp: Path, monkeypatch: pytest.MonkeyP
     for message, overrides in cases.items():
         with pytest.raises(sk.ShardkitError, match=re.escape(message)):
             tr.train(make_config(tmp, "bad", **overrides))
+
+
+def test_a_strategy_without_a_mesh_gets_one_it_fits(tmp: Path) -> None:
+    """--config.strategy=fsdp_tp alone: the default mesh "auto" is chosen for the strategy (and printed)."""
+    run = tr.build(make_config(tmp, "auto", strategy="fsdp_tp"))
+    assert dict(run.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    for name in sk.STRATEGIES:  # every strategy binds to its default mesh on 8 devices
+        strategy = sk.strategy(name)
+        strategy.bind(sk.make_mesh(strategy.default_mesh(8)))
 
 
 @pytest.mark.parametrize("name", ["gpt_tiny", "gpt_small", "gpt_350m", "gpt_1b", "gpt_7b"])
@@ -186,9 +206,9 @@ def test_sigkill_during_a_save_then_resume(tmp: Path) -> None:
     for _attempt in range(3):  # a save can commit between seeing its tmp dir and the kill landing: then retry
         with open(tmp / "killed.log", "w") as log:
             proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline, committed = time.monotonic() + 120, []
-        try:
-            while time.monotonic() < deadline and proc.poll() is None:
+        committed = []
+        try:  # no wall-clock deadline: the run's 1000 steps bound the wait, the suite's pytest timeout a hang
+            while proc.poll() is None:
                 names = os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []
                 committed = sorted(int(n) for n in names if n.isdigit())
                 if committed and any(TMP_MARKER in n for n in names):

@@ -12,7 +12,9 @@ entry near zero the ulp noise is the whole signal and parameter differences reac
 float64. There a gradient's reduction-order noise is |dg| <~ 1e-15 (eps_64 = 2.2e-16 times gradients of O(1)),
 and the update amplifies it at most by lr/eps = 1e-2/1e-8 = 1e6 per step, so after 3 steps a parameter moves
 by at most ~3e-9 absolute, ~1.5e-7 of the parameters' scale (max |p| >= 0.02). We assert 1e-6 (observed:
-1.2e-9 on jax 0.12, less on 0.10); a real sharding bug (a missing or doubled reduction) is >= 1e-3.
+1.2e-12, gradients agreeing to 2e-17); a real sharding bug (a missing or doubled reduction) is >= 1e-3. (This
+needs attention in float64 too: jax.nn.dot_product_attention always takes its softmax in fp32, which left
+1e-12 gradient gaps and 4e-6 parameter gaps; shardkit's dense kernel computes a float64 input in float64.)
 """
 
 import jax

@@ -8,6 +8,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     """The default config (= gpt_tiny); `--config.<field>=...` overrides any field."""
     c = ml_collections.ConfigDict()
+    c.task = "lm"  # model family (experiments/tasks.py): "lm" (GPT on tokens) | "image_classification" (ResNet)
     c.config_name = "gpt_tiny"  # names the run dir (<run_dir>/<config_name>-<strategy>) unless `name` is set
     c.name = ""  # run name; "" = "<config_name>-<strategy>". An existing run dir is resumed.
     c.run_dir = "runs"  # metrics.jsonl, config.json and checkpoints/ go to <run_dir>/<name>/
@@ -15,7 +16,8 @@ def get_config() -> ml_collections.ConfigDict:
     # --- hardware and parallelism
     c.hardware = "cpu8"  # preset in meshes/ (peak FLOP/s for MFU, HBM); "auto" = match jax.devices()
     c.peak_flops = 0.0  # per-device peak FLOP/s override; 0 = the preset's (measured at start-up on CPU)
-    c.mesh = "data=2,fsdp=4"  # "axis=degree,..." (one degree may be -1) or a preset name; "" = the preset's mesh
+    c.mesh = "auto"  # "auto": a mesh the strategy fits (fsdp: data=2,fsdp=4 on 8 devices; printed); "axis=degree,..."
+    #                  (one degree may be -1), a preset name, or "" = the preset's mesh
     c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp | pp* (see shardkit/strategies.py)
     c.microbatches = 1  # gradient accumulation: batch_size is split into this many sequential microbatches
     c.pipeline = ml_collections.ConfigDict()  # pp* strategies only (shardkit/pipeline.py); not accumulation
@@ -49,7 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
     o = c.optimizer
     o.name = "adamw"
     o.lr = 3e-3  # peak learning rate
-    o.warmup_steps = 30
+    o.warmup_steps = -1  # linear warmup steps; -1 = min(30, schedule length // 10), so short runs work too
     o.decay_steps = 0  # length of warmup + cosine; 0 = steps
     o.min_lr_ratio = 0.1  # final lr = lr * min_lr_ratio
     o.b1 = 0.9

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
@@ -32,8 +33,22 @@ def dense_attention(
         if segment_ids.shape != q.shape[:2]:
             raise ShardkitError(f"segment_ids shape {segment_ids.shape} must be [batch, seq] = {q.shape[:2]}")
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, s, s]
+    if q.dtype == jnp.float64:  # jax.nn computes the softmax in fp32 always; float64 parity tests need float64
+        return _float64_attention(q, k, v, causal, mask)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
     return out.astype(q.dtype)
+
+
+def _float64_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, mask: jax.Array | None) -> jax.Array:
+    """The same attention written out, every step in q's dtype (query head h reads key/value head h // g)."""
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    keep = jnp.ones(logits.shape[-2:], bool) if mask is None else mask
+    if causal:
+        keep = keep & jnp.tril(jnp.ones(logits.shape[-2:], bool))
+    probs = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 register_attention(

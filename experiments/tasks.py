@@ -1,0 +1,203 @@
+"""The model families `experiments.train` trains, chosen by `config.task`: one small builder each.
+
+    lm                    models.gpt.GPT on byte tokens (experiments/data.py); its own loss and batch_axes
+    image_classification  models.resnet.ResNet on images (experiments/images.py), classification_loss
+
+A task knows its model (`make_model`), loss (`loss_fn`, `batch_axes`; None = the model's own), batches
+(`batch_spec` for compiling, `train_batch(step, s)` for step s, `val_batches`), what a step processes (`unit`,
+`units_per_step`, `flops_per_unit` for MFU) and what to print before the run (`describe`). The training loop in
+experiments/train.py is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+import shardkit as sk
+from experiments import data, images
+from models.gpt import GPT, GPTConfig
+from models.resnet import BATCH_AXES, ResNet, ResNetConfig, classification_loss
+
+TASKS = ("lm", "image_classification")
+
+
+def model_config(config: ml_collections.ConfigDict, data_vocab: int) -> GPTConfig:
+    """GPTConfig from config.model; vocab_size 0 = the data's (padded to 128), max_seq_len 0 = seq_len."""
+    fields = dict(config.model)
+    fields["vocab_size"] = fields["vocab_size"] or -(-data_vocab // 128) * 128
+    fields["max_seq_len"] = fields["max_seq_len"] or config.seq_len
+    if fields["vocab_size"] < data_vocab:
+        raise sk.ShardkitError(f"model.vocab_size={fields['vocab_size']} < the data's vocabulary {data_vocab}")
+    if config.seq_len > fields["max_seq_len"]:
+        raise sk.ShardkitError(f"seq_len={config.seq_len} > model.max_seq_len={fields['max_seq_len']}")
+    return GPTConfig(**fields)
+
+
+@dataclasses.dataclass
+class LMTask:
+    """Next-token prediction: GPT on a token corpus; batches {"inputs", "targets"[, "positions"]} int32 [B, T]."""
+
+    config: ml_collections.ConfigDict
+    model_cfg: GPTConfig
+    ds: data.TokenDataset
+    kind = "lm"
+    unit, short = "tokens", "tok"  # metrics.jsonl: tokens, tokens_per_s
+    loss_fn = None  # GPT.loss
+    batch_axes = None  # GPT.batch_axes = ("batch", "seq")
+
+    def make_model(self, rngs: nnx.Rngs) -> GPT:
+        return GPT(self.model_cfg, rngs=rngs)
+
+    @property
+    def units_per_step(self) -> int:
+        return self.config.batch_size * self.config.seq_len
+
+    @property
+    def flops_per_unit(self) -> float:
+        return self.model_cfg.flops_per_token(self.config.seq_len)
+
+    def _layout(self, step: sk.TrainStep) -> np.ndarray | None:
+        """Context parallelism: the loader lays tokens out for the ring (zigzag / striped) and adds positions."""
+        layout, ring = sk.kernels.batch_layout(step.strategy, step.mesh)  # what the strategy's kernels declare
+        return None if layout == "contiguous" else sk.attention.layout_perm(layout, self.config.seq_len, ring)
+
+    def batch_spec(self, step: sk.TrainStep | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+        sharding = step.batch_sharding if step else None
+        tokens = jax.ShapeDtypeStruct((self.config.batch_size, self.config.seq_len), jnp.int32, sharding=sharding)
+        keys = (
+            ("inputs", "targets") if step is None or self._layout(step) is None else ("inputs", "targets", "positions")
+        )
+        return dict.fromkeys(keys, tokens)
+
+    def train_batch(self, step: sk.TrainStep, s: int) -> dict[str, jax.Array]:
+        c = self.config
+        return data.global_batch(self.ds, s, c.batch_size, c.seq_len, step.batch_sharding, seed=c.seed,
+                                 perm=self._layout(step))  # fmt: skip
+
+    def val_batches(self, step: sk.TrainStep) -> list[dict[str, jax.Array]]:
+        c = self.config
+        return data.val_batches(self.ds, c.eval_batches, c.batch_size, c.seq_len, step.batch_sharding,
+                                self._layout(step))  # fmt: skip
+
+    def describe(self, say: Callable[[str], None]) -> dict[str, Any]:
+        """Prints the model and data lines; returns what goes into config.json's info."""
+        mcfg, ds, c = self.model_cfg, self.ds, self.config
+        say(
+            f"model: {mcfg.num_params() / 1e6:.2f}M params ({mcfg.num_params(False) / 1e6:.2f}M non-embedding), "
+            f"{mcfg.num_layers} x {mcfg.d_model}, {mcfg.flops_per_token(c.seq_len) / 1e6:.1f} MFLOP/token; "
+            f"batch {c.batch_size} x {c.seq_len} = {c.batch_size * c.seq_len:,} tokens/step"
+        )
+        entropy = ds.unigram_entropy_nats()
+        say(
+            f"data: {ds.name}, train {len(ds.train):,} / val {len(ds.val):,} tokens; unigram entropy {entropy:.3f} "
+            "nats/token = the loss of predicting by token frequency alone: the baseline to beat clearly"
+        )
+        return dict(unigram_entropy=entropy, data_vocab_size=ds.vocab_size)
+
+
+def _lm(config: ml_collections.ConfigDict) -> LMTask:
+    try:
+        d = config.data
+        ds = data.load_dataset(
+            d.path or None,
+            cache_dir=d.cache_dir or None,
+            bin_dtype=np.dtype(d.bin_dtype),
+            max_files=d.max_files or None,
+        )
+        data.batch_offsets(min(len(ds.train), len(ds.val)), 0, 0, config.seq_len)
+    except (OSError, ValueError) as e:
+        raise sk.ShardkitError(f"data.path={config.data.path or '(stdlib)'}: {e}") from e
+    return LMTask(config, model_config(config, ds.vocab_size), ds)
+
+
+@dataclasses.dataclass
+class ImageTask:
+    """Image classification: ResNet on {"image": f32[B, H, W, C], "label": int32[B]}; validation = the whole split."""
+
+    config: ml_collections.ConfigDict
+    model_cfg: ResNetConfig
+    ds: images.ImageDataset
+    kind = "image_classification"
+    unit, short = "examples", "ex"  # metrics.jsonl: examples, examples_per_s
+    loss_fn = staticmethod(classification_loss)  # (mean cross-entropy, {"accuracy"})
+    batch_axes = BATCH_AXES
+
+    def make_model(self, rngs: nnx.Rngs) -> ResNet:
+        return ResNet(self.model_cfg, rngs=rngs)
+
+    @property
+    def units_per_step(self) -> int:
+        return self.config.batch_size
+
+    @property
+    def flops_per_unit(self) -> float:
+        return self.model_cfg.flops_per_example(*self.ds.image_shape[:2])
+
+    def _shardings(self, step: sk.TrainStep, size: int) -> dict[str, Any]:
+        return step.batch_shardings(images.batch_spec(size, self.ds.image_shape))
+
+    def batch_spec(self, step: sk.TrainStep | None = None, size: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+        size = size or self.config.batch_size
+        return images.batch_spec(size, self.ds.image_shape, self._shardings(step, size) if step else None)
+
+    @property
+    def val_batch_size(self) -> int:
+        return len(self.ds.val_labels) // self.config.eval_batches
+
+    def train_batch(self, step: sk.TrainStep, s: int) -> dict[str, jax.Array]:
+        c = self.config
+        return images.global_batch(self.ds, s, c.batch_size, self._shardings(step, c.batch_size), seed=c.seed)
+
+    def val_batches(self, step: sk.TrainStep) -> list[dict[str, jax.Array]]:
+        return images.val_batches(self.ds, self.config.eval_batches, self._shardings(step, self.val_batch_size))
+
+    def describe(self, say: Callable[[str], None]) -> dict[str, Any]:
+        mcfg, ds, c = self.model_cfg, self.ds, self.config
+        h, w, ch = ds.image_shape
+        say(
+            f"model: ResNet {mcfg.num_params() / 1e3:.1f}K params, widths {list(mcfg.widths)} x blocks "
+            f"{list(mcfg.blocks)}, {self.flops_per_unit / 1e6:.1f} MFLOP/example (convs + head, fwd + bwd); "
+            f"batch {c.batch_size} images {h}x{w}x{ch}"
+        )
+        chance = float(ds.class_counts("val").max() / len(ds.val_labels))
+        say(
+            f"data: {ds.name}, train {len(ds.train_labels):,} / val {len(ds.val_labels):,} images, "
+            f"{ds.num_classes} classes; chance: loss ln {ds.num_classes} = {math.log(ds.num_classes):.3f} nats, "
+            f"accuracy {chance:.1%} (the most frequent validation class)"
+        )
+        return dict(chance_loss=math.log(ds.num_classes), chance_accuracy=chance, image_shape=list(ds.image_shape))
+
+
+def _image_classification(config: ml_collections.ConfigDict) -> ImageTask:
+    d = config.data
+    try:
+        ds = images.load_dataset(d.name, val_size=d.val_size, split_seed=d.split_seed)
+        images.val_batches(ds, config.eval_batches)  # the validation split divides into eval_batches batches
+    except ValueError as e:
+        raise sk.ShardkitError(f"data: {e} (data.name={d.name!r}, data.val_size, eval_batches)") from e
+    fields = dict(config.model)
+    fields["num_classes"] = fields.get("num_classes") or ds.num_classes
+    if fields["num_classes"] < ds.num_classes:
+        raise sk.ShardkitError(f"model.num_classes={fields['num_classes']} < the data's {ds.num_classes} classes")
+    try:
+        model_cfg = ResNetConfig(**fields, in_channels=ds.image_shape[-1])
+    except (TypeError, ValueError) as e:
+        raise sk.ShardkitError(f"model: {e}") from e
+    return ImageTask(config, model_cfg, ds)
+
+
+def build_task(config: ml_collections.ConfigDict) -> LMTask | ImageTask:
+    """The task `config.task` names ("lm" when the config has no task field), data loaded and checked."""
+    kind = config.get("task", "lm")
+    if kind not in TASKS:
+        raise sk.ShardkitError(f"task={kind!r}; available: {', '.join(TASKS)}")
+    return _lm(config) if kind == "lm" else _image_classification(config)

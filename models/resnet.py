@@ -1,0 +1,162 @@
+"""A small ResNet for images (He et al. 1512.03385, v1 basic blocks) in Flax NNX, with logical names only.
+
+    cfg = ResNetConfig(widths=(32, 64), blocks=(1, 1), num_classes=10)
+    model = sk.sharded_init(lambda rngs: ResNet(cfg, rngs=rngs), mesh, "fsdp")
+    logits = model(images)               # f32[batch, height, width, in_channels] -> f32[batch, num_classes]
+    step = sk.make_train_step(model, tx, mesh, "fsdp", loss_fn=classification_loss, batch_axes=BATCH_AXES)
+
+(Built directly, outside `sk.sharded_init`, it needs `with nnx.use_eager_sharding(False):`, Flax's default being
+to take `with_partitioning` names for mesh axes at creation.)
+
+Layout: a 3x3 conv stem, then one stage per entry of `widths`, each `blocks[i]` basic residual blocks (conv3x3 -
+BatchNorm - ReLU - conv3x3 - BatchNorm, + identity or a 1x1 projection, ReLU); every stage after the first halves
+height and width in its first block (stride 2). Global average pool, dropout, a dense classifier. Convolutions
+have no bias (BatchNorm follows each).
+
+Every parameter is named through `nnx.with_partitioning`, as Flax writes names: conv kernels
+`(None, None, None, "channels")` (their output channels), BatchNorm scale / bias `("channels",)`, the head
+`("channels", "classes")` + bias `("classes",)`. Activations are pinned to `(batch, height, width, channels)` after
+every block (`sk.constrain`, a no-op outside a train step), so a strategy that shards `channels` (`tp_channels`)
+keeps them sharded between the blocks. BatchNorm's running statistics (`nnx.BatchStat`) and dropout's RNG
+counter are model state that `make_train_step` carries in `state.model_state`. Which mesh axes any of these
+names go to is the strategy's business: no mesh axis appears here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import shardkit as sk
+from models.axes import BATCH
+
+HEIGHT, WIDTH, CHANNELS, CLASSES = "height", "width", "channels", "classes"
+#: Logical names of a batch `{"image": f32[B, H, W, C], "label": int32[B]}`. The image's own (input) channel
+#: dimension is left unnamed: it is 1 for grayscale, 3 for RGB, and a strategy that shards `channels` (such as
+#: `tp_channels`) means the network's feature channels, which the stem creates; an input of 1 channel cannot be split.
+BATCH_AXES = {"image": (BATCH, HEIGHT, WIDTH, None), "label": (BATCH,)}
+_ACT = (BATCH, HEIGHT, WIDTH, CHANNELS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetConfig:
+    widths: Sequence[int] = (32, 64)  # channels per stage (divisible by the degree of the mesh axes that shard them)
+    blocks: Sequence[int] = (1, 1)  # basic residual blocks per stage
+    num_classes: int = 10
+    in_channels: int = 1  # channels of the input image (1: grayscale)
+    dropout: float = 0.1  # before the classifier, on the pooled features
+    bn_momentum: float = 0.9  # running statistics' decay (0.9: settled after a few dozen steps)
+    dtype: str = "float32"  # compute dtype; parameters and BatchNorm statistics stay float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
+        if not self.widths or len(self.widths) != len(self.blocks) or min(self.blocks) < 1:
+            raise ValueError(f"widths {self.widths} and blocks {self.blocks}: one entry (>= 1 block) per stage")
+
+    def num_params(self) -> int:
+        """Trainable parameters (BatchNorm statistics excluded)."""
+        n, c_in = 9 * self.in_channels * self.widths[0] + 2 * self.widths[0], self.widths[0]
+        for i, (w, b) in enumerate(zip(self.widths, self.blocks, strict=True)):
+            for j in range(b):
+                n += 9 * c_in * w + 9 * w * w + 4 * w
+                n += c_in * w + 2 * w if (i > 0 and j == 0) or c_in != w else 0
+                c_in = w
+        return n + c_in * self.num_classes + self.num_classes
+
+    def flops_per_example(self, height: int, width: int) -> float:
+        """Training FLOPs per image: 3 x the forward pass's convolution and classifier multiply-adds x 2 (the
+        backward pass computes the input and the weight gradient of each: 2x forward, as 6N for a transformer).
+        BatchNorm, ReLU, pooling and the optimizer are elementwise and not counted. "SAME" convs: out = ceil(in / s)."""
+        macs, c_in, h, w = 9 * self.in_channels * self.widths[0] * height * width, self.widths[0], height, width
+        for i, (c, b) in enumerate(zip(self.widths, self.blocks, strict=True)):
+            for j in range(b):
+                stride = 2 if i > 0 and j == 0 else 1
+                h, w = -(-h // stride), -(-w // stride)
+                macs += 9 * c_in * c * h * w + 9 * c * c * h * w + (c_in * c * h * w if stride > 1 or c_in != c else 0)
+                c_in = c
+        return 3 * 2 * (macs + c_in * self.num_classes)
+
+
+def _named(init: Any, *names: str | None) -> Any:
+    return nnx.with_partitioning(init, names)
+
+
+def _conv(cfg: ResNetConfig, c_in: int, c_out: int, kernel: int, stride: int, rngs: nnx.Rngs) -> nnx.Conv:
+    init = nnx.initializers.variance_scaling(2.0, "fan_in", "truncated_normal")  # He init for ReLU
+    return nnx.Conv(
+        c_in, c_out, (kernel, kernel), (stride, stride), padding="SAME", use_bias=False, dtype=jnp.dtype(cfg.dtype),
+        kernel_init=_named(init, None, None, None, CHANNELS), rngs=rngs,
+    )  # fmt: skip
+
+
+def _norm(cfg: ResNetConfig, c: int, rngs: nnx.Rngs) -> nnx.BatchNorm:
+    """BatchNorm over (batch, height, width) per channel: batch statistics in training, running ones in eval."""
+    return nnx.BatchNorm(
+        c, momentum=cfg.bn_momentum, dtype=jnp.dtype(cfg.dtype),
+        scale_init=_named(nnx.initializers.ones_init(), CHANNELS),
+        bias_init=_named(nnx.initializers.zeros_init(), CHANNELS), rngs=rngs,
+    )  # fmt: skip
+
+
+class BasicBlock(nnx.Module):
+    """relu(norm2(conv2(relu(norm1(conv1(x))))) + shortcut(x)); shortcut = 1x1 conv + norm when the shape changes."""
+
+    def __init__(self, cfg: ResNetConfig, c_in: int, c_out: int, stride: int, *, rngs: nnx.Rngs):
+        self.conv1, self.norm1 = _conv(cfg, c_in, c_out, 3, stride, rngs), _norm(cfg, c_out, rngs)
+        self.conv2, self.norm2 = _conv(cfg, c_out, c_out, 3, 1, rngs), _norm(cfg, c_out, rngs)
+        if stride != 1 or c_in != c_out:
+            self.proj, self.proj_norm = _conv(cfg, c_in, c_out, 1, stride, rngs), _norm(cfg, c_out, rngs)
+        else:
+            self.proj, self.proj_norm = nnx.data(None), nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nnx.relu(self.norm1(self.conv1(x)))
+        h = self.norm2(self.conv2(h))
+        skip = x if self.proj is None else self.proj_norm(self.proj(x))
+        return sk.constrain(nnx.relu(h + skip), _ACT)
+
+
+class ResNet(nnx.Module):
+    """ResNet(cfg, rngs=nnx.Rngs(0))(images f32[batch, height, width, in_channels]) -> logits f32[batch, classes]."""
+
+    batch_axes = BATCH_AXES
+
+    def __init__(self, cfg: ResNetConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        w0 = cfg.widths[0]
+        self.stem, self.stem_norm = _conv(cfg, cfg.in_channels, w0, 3, 1, rngs), _norm(cfg, w0, rngs)
+        blocks, c_in = [], w0
+        for i, (w, n) in enumerate(zip(cfg.widths, cfg.blocks, strict=True)):
+            for j in range(n):
+                blocks.append(BasicBlock(cfg, c_in, w, 2 if i > 0 and j == 0 else 1, rngs=rngs))
+                c_in = w
+        self.blocks = nnx.List(blocks)
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+        self.head = nnx.Linear(
+            c_in, cfg.num_classes, kernel_init=_named(nnx.initializers.lecun_normal(), CHANNELS, CLASSES),
+            bias_init=_named(nnx.initializers.zeros_init(), CLASSES), rngs=rngs,
+        )  # fmt: skip
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        x = images.astype(jnp.dtype(self.cfg.dtype))
+        x = sk.constrain(nnx.relu(self.stem_norm(self.stem(x))), _ACT)
+        for block in self.blocks:
+            x = block(x)
+        pooled = x.astype(jnp.promote_types(x.dtype, jnp.float32)).mean(axis=(1, 2))  # [batch, channels]
+        return self.head(self.dropout(pooled))
+
+    def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return classification_loss(self, batch)
+
+
+def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(mean cross-entropy in nats, {"accuracy": fraction of argmax == label}) of `{"image", "label"}`."""
+    logits = model(batch["image"])
+    accuracy = (jnp.argmax(logits, axis=-1) == batch["label"]).astype(jnp.float32).mean()
+    return sk.train.cross_entropy(logits, batch["label"]), {"accuracy": accuracy}
