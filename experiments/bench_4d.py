@@ -4,11 +4,11 @@
 
 For all 20 factorisations (G_x, G_y, G_z, G_d) of 8 devices (mesh data, depth, row, col; col innermost):
 1. stack: fwd + bwd of the GPT blocks' four projections as `sk.tensor3d.linear` layers (shard_map kernels);
-   bytes per device predicted by `costmodel.strategy_comms("tp3d")` vs counted by `shardkit.hlo`.
+   bytes per device predicted by `gpt_cost.strategy_comms("tp3d")` vs counted by `shardkit.hlo`.
 2. gpt: one SGD train step of a small GPT under the `tp3d` strategy (GSPMD rules); predicted =
    `strategy_comms("tp3d", gspmd=True)`: the four projections (CPU: GSPMD's depth reduce-scatter counted as
    all-reduce, weights re-gathered in the scan's backward) + embedding, RMSNorms, head, vocab-parallel
-   cross-entropy and loss / grad-norm scalars (`costmodel_gpt`) vs the HLO; median step time over --steps.
+   cross-entropy and loss / grad-norm scalars (`models/gpt_cost.py`) vs the HLO; median step time over --steps.
 3. Spearman rank correlation (numpy, average ranks for ties) of predicted bytes vs measured GPT step time.
 4. The planner's top three plans for a 7.2B GPT (LLaMA-3-8B-like shape) on 64 and 1024 Perlmutter GPUs.
 Writes the JSON and a scatter PNG (predicted vs HLO bytes) next to it. On CPU the 8 "devices" share the host's
@@ -35,6 +35,7 @@ import optax
 from jax.sharding import NamedSharding
 
 import shardkit as sk
+from models import gpt_cost
 from models.gpt import GPT, GPTConfig
 from shardkit import costmodel, hlo, tensor3d
 
@@ -62,7 +63,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def stack_bytes(mesh: jax.sharding.Mesh) -> float:
-    layers = [(h1, h2, tr) for _ in range(CFG.num_layers) for _, h1, h2, tr in costmodel.fc_layers(CFG)]
+    layers = [(h1, h2, tr) for _ in range(CFG.num_layers) for _, h1, h2, tr in gpt_cost.fc_layers(CFG)]
 
     def fwd(xs, ws):
         return [tensor3d.linear(x, w, mesh=mesh, transpose=t[2]) for x, w, t in zip(xs, ws, layers, strict=True)]
@@ -85,8 +86,8 @@ def run(grid: tuple[int, int, int, int], steps: int) -> dict:
     gx, gy, gz, gd = grid
     spec = f"data={gd},depth={gz},row={gy},col={gx}"
     mesh = sk.make_mesh(spec)
-    predicted = costmodel.strategy_comms("tp3d", CFG, dict(mesh.shape), BATCH, SEQ, nbytes=4, backend="cpu")
-    pred_gspmd = costmodel.strategy_comms("tp3d", CFG, dict(mesh.shape), BATCH, SEQ, 4, "cpu", gspmd=True)
+    predicted = gpt_cost.strategy_comms("tp3d", CFG, dict(mesh.shape), BATCH, SEQ, nbytes=4, backend="cpu")
+    pred_gspmd = gpt_cost.strategy_comms("tp3d", CFG, dict(mesh.shape), BATCH, SEQ, 4, "cpu", gspmd=True)
     model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, "tp3d")
     step = sk.make_train_step(model, optax.sgd(0.1), mesh, "tp3d")
     state = step.init_state()

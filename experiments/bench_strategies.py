@@ -11,7 +11,7 @@ its usual mesh, plus the same model on one device (mesh data=1, dp) as the refer
    and under tp / tp_sp the RMSNorm scales (they have only an `embed` dimension, which tp does not shard).
 2. temp / arg: `compiled.memory_analysis()` per device (XLA's scratch and argument buffers).
 3. comm: ring bytes sent per device per step, summed over the collectives of the compiled HLO (shardkit.hlo),
-   against the cost model's prediction (`shardkit.costmodel.strategy_comms`, ALGORITHMS.md §1): `ideal` counts a
+   against the cost model's prediction (`models.gpt_cost.strategy_comms`, ALGORITHMS.md §1): `ideal` counts a
    reduce-scatter where the algorithm has one, `cpu` counts it as the all-reduce (+ dynamic-slice) that XLA's
    CPU backend emits instead (it has no reduce-scatter creation pass), i.e. twice the bytes.
 4. step time: median of `--steps` timed steps after one warm-up, `jax.block_until_ready`, and its speed-up
@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 import shardkit as sk
+from models import gpt_cost
 from models.gpt import GPT, GPTConfig
 from shardkit import hlo
 
@@ -78,14 +79,14 @@ def tree_bytes(tree: Any, per_device: bool) -> int:
 
 
 def comm_formula(name: str, shape: dict[str, int]) -> list[dict]:
-    """The cost model's per-device bytes per step (`shardkit.costmodel.strategy_comms`, ALGORITHMS.md §1), as terms
+    """The cost model's per-device bytes per step (`models.gpt_cost.strategy_comms`, ALGORITHMS.md §1), as terms
     {what, ideal, cpu}: `ideal` models reduce-scatters as reduce-scatters (backend "gpu"), `cpu` as the all-reduce
     + dynamic-slice XLA:CPU emits (backend "cpu"). Not in the model (seen in the HLO, KiB or less): the loss and
     grad-norm scalars, the vocab-parallel cross-entropy's all-reduces of [b, s] floats (tp family), the
     RMSNorm-scale gradient all-reduces over tensor under tp_sp."""
     terms = []
     for backend in ("gpu", "cpu"):
-        for c in sk.costmodel.strategy_comms(name, CFG, shape, BATCH, SEQ, nbytes=4, backend=backend):
+        for c in gpt_cost.strategy_comms(name, CFG, shape, BATCH, SEQ, nbytes=4, backend=backend):
             terms.append({"what": f"{c.kind} over {c.axis}: {c.what}", "backend": backend, "bytes": c.bytes})
     return terms
 

@@ -66,15 +66,23 @@ class GPTConfig:
     def cost_model(
         self, strategy: str, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
     ) -> tuple[list, dict[str, float], str] | None:
-        """`sk.explain`'s hook: (collectives, memory, source) of one train step from the GPT formulas of
-        `shardkit.costmodel` (activations included); None for a strategy they do not cover (explain then falls
-        back to the parameter traffic implied by the rules tables)."""
-        if strategy not in sk.costmodel.MODELLED:
+        """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) of one train step from the GPT
+        formulas (models/gpt_cost.py, activations included); None for a strategy they do not cover (explain then
+        falls back to the parameter traffic implied by the rules tables)."""
+        from models import gpt_cost
+
+        if strategy not in gpt_cost.MODELLED:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
-        comms = sk.costmodel.strategy_comms(strategy, self, mesh, batch, seq, nbytes, backend, gspmd=strategy == "tp3d")
-        memory = sk.costmodel.memory(strategy, self, mesh, batch, seq, nbytes)
+        comms = gpt_cost.strategy_comms(strategy, self, mesh, batch, seq, nbytes, backend, gspmd=strategy == "tp3d")
+        memory = gpt_cost.memory(strategy, self, mesh, batch, seq, nbytes)
         return comms, memory, f"shardkit.costmodel ({strategy}, backend {backend})"
+
+    def indivisible(self, strategy: str, mesh: dict[str, int], global_batch: int) -> str:
+        """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
+        from models import gpt_cost
+
+        return gpt_cost.divisibility(strategy, self, mesh, global_batch)
 
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:

@@ -1,7 +1,15 @@
-"""Predicts, before compiling, the communication and memory of a GPT training step under each strategy.
+"""Predicts, before compiling, what a plan costs: communication time per step and memory, and ranks plans.
 
-    plans = sk.plan(GPTConfig(...), devices=1024, hardware="perlmutter", global_batch=512, seq_len=2048)
+    plans = sk.plan(model_cfg, devices=1024, hardware="perlmutter", global_batch=512, seq_len=2048)
     print(format_plans(plans[:5]))
+
+The model-specific terms — which collectives one step of *this* model issues under a strategy, and its memory —
+come from the model config's hook, `model_cfg.cost_model(strategy, mesh, batch_shapes, nbytes, backend) ->
+(comms, memory, source) | None` (models/gpt_cost.py for the GPT; `model_cfg.indivisible(strategy, mesh,
+global_batch) -> reason` drops plans whose shapes do not divide). This module owns the rest: the ring volumes,
+the time of a collective on a preset's links, AxoNN's fitted model, the AxoNN 3D linear's own collectives
+(`tp3d_layer_comms`), the candidate meshes and the ranking. For any model's parameter traffic under any rules
+table, see `shardkit.costmodel_rules`.
 
 Bytes are per device per step, ring volumes (ALGORITHMS.md §1; what `shardkit.hlo` counts from compiled HLO):
 all-gather / reduce-scatter (p-1)/p·n, all-reduce 2(p-1)/p·n, n the full buffer. Time is alpha-beta per
@@ -15,10 +23,8 @@ XLA:CPU compiles: GSPMD's reduce-scatters (FSDP gradients, Megatron-SP's g) beco
 dynamic-slice (tests/test_structure.py); explicit `lax.psum_scatter` in shard_map kernels (tensor3d) stays
 a reduce-scatter.
 
-Memory per device: model state by the ZeRO formulas (16 bytes per parameter in mixed precision with Adam:
-2 params + 2 grads + 12 fp32 master/m/v, divided by the degree each strategy shards it over; Rajbhandari et
-al. 1910.02054) and activations per layer adapted from Korthikanti et al. 2205.05198 Table 2 to our block
-(`activation_bytes`). A plan over `memory_fraction` of the device memory is rejected with the reason.
+A plan whose predicted memory (the hook's "total") is over `memory_fraction` of the device memory is rejected
+with the reason.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from shardkit.errors import ShardkitError
@@ -110,23 +116,6 @@ class _Builder:
         self.rows.append(Comm(kind, axis, p, inner, count, ring_factor(kind, p) * n, what))
 
 
-def _cfg(cfg: Any) -> dict[str, int]:
-    """The GPT shape numbers the formulas use (models/gpt.py GPTConfig, or any object with those fields)."""
-    names = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size")
-    try:
-        return {n: int(getattr(cfg, n)) for n in names}
-    except AttributeError as e:
-        raise ShardkitError(f"model config {type(cfg).__name__} lacks {e.name!r}; give a GPTConfig-like object") from e
-
-
-def fc_layers(cfg: Any) -> list[tuple[str, int, int, bool]]:
-    """The four projections of one block as (name, H1 in, H2 out, transposed): AxoNN's FC1/FC2 alternation."""
-    c = _cfg(cfg)
-    e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
-    return [("qkv", e, (n + 2 * k) * hd, False), ("out", n * hd, e, True), ("mlp_in", e, 2 * f, False),
-            ("mlp_out", f, e, True)]  # fmt: skip
-
-
 def tp3d_layer_comms(
     b: _Builder, h1: int, h2: int, tokens: int, transpose: bool, nbytes: int, what: str, gspmd: bool = False
 ) -> None:
@@ -146,128 +135,12 @@ def tp3d_layer_comms(
     b.add("all-reduce", "data", block / gz, 1, f"{what}: dW shard AR over data")
 
 
-#: shards of the parameters (and of gradients / optimizer state) per strategy, from (data, fsdp, tensor, 3D grid)
-_STATE_DEGREE: dict[str, Callable[[int, int, int, int], int]] = {
-    "dp": lambda d, f, t, g3: 1,
-    "zero1": lambda d, f, t, g3: 1,
-    "fsdp": lambda d, f, t, g3: f,
-    "tp": lambda d, f, t, g3: t,
-    "tp_sp": lambda d, f, t, g3: t,
-    "fsdp_tp": lambda d, f, t, g3: f * t,
-    "dp_fsdp_tp": lambda d, f, t, g3: f * t,
-    "tp3d": lambda d, f, t, g3: g3,
-}
-MODELLED = tuple(_STATE_DEGREE)  #: the strategies the GPT formulas below cover
-_MODELLED = ", ".join(MODELLED)
-
-
-def strategy_comms(
-    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    backend: str = "gpu", gspmd: bool = False,
-) -> list[Comm]:  # fmt: skip
-    """Per-device bytes per step of each collective of one GPT train step (no gradient accumulation).
-
-    dp: AR of all gradients over data. fsdp: AG of the parameters fwd, of the block parameters again bwd, RS of
-    the gradients (ZeRO-3). tp / tp_sp (Megatron, Korthikanti): (4L + 2) activation ARs over tensor (4 per
-    block + vocab-parallel embedding fwd and head bwd), or as many AG + RS pairs; gradients of the 1/t shard
-    all-reduced over data. tp3d: per block, `tp3d_layer_comms` for the four projections (AxoNN's model, exact
-    for a stack of `tensor3d.linear` layers); `gspmd=True`: the whole GPT step under the `tp3d` GSPMD rules,
-    the projections (whose depth reduce-scatter is an AR on CPU) + embedding, RMSNorms, head, vocab-parallel
-    cross-entropy and the loss / grad-norm scalars (`costmodel_gpt.gpt_extra_comms`); rows may then name
-    several axes ("data,depth": one collective over their product).
-    """
-    c = _cfg(cfg)
-    e, L = c["d_model"], c["num_layers"]
-    psi = num_params(cfg)
-    blocks = L * sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
-    if strategy == "tp3d":
-        b = _Builder(mesh, TP3D_ORDER, backend)
-        for name, h1, h2, tr in fc_layers(cfg):
-            for _ in range(L):
-                tp3d_layer_comms(b, h1, h2, global_batch * seq_len, tr, nbytes, name, gspmd)
-        if gspmd:  # the whole GSPMD train step: embedding, norms, head, cross-entropy, scalars
-            from shardkit.costmodel_gpt import gpt_extra_comms
-
-            gpt_extra_comms(b, cfg, global_batch * seq_len, nbytes, gspmd)
-        return _merge(b.rows)
-    b = _Builder(mesh, ("tensor", "fsdp", "data"), backend)
-    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
-    act = global_batch // (d * f) * seq_len * e * nbytes
-    shard = psi * nbytes / (t * f)
-    if strategy not in _STATE_DEGREE:
-        raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
-    if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
-        b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
-        b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
-        b.add("reduce-scatter", "fsdp", psi * nbytes / t, 1, "gradients", gspmd=True)
-    if strategy in ("tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp"):
-        n = 4 * L + 2
-        if strategy != "tp_sp":
-            b.add("all-reduce", "tensor", act * n, n, "Megatron f / g")
-        else:
-            b.add("all-gather", "tensor", act * n, n, "SP all-gathers")
-            b.add("reduce-scatter", "tensor", act * n, n, "SP reduce-scatters", gspmd=True)
-    if strategy == "zero1":  # gradients reduce-scattered onto the optimizer-state shards, parameters gathered back
-        b.add("reduce-scatter", "data", shard, 1, "gradients onto optimizer-state shards", gspmd=True)
-        b.add("all-gather", "data", shard, 1, "updated parameters")
-    else:
-        b.add("all-reduce", "data", shard, 1, "gradients over data")
-    return _merge(b.rows)
-
-
 def _merge(rows: Iterable[Comm]) -> list[Comm]:
     out: dict[tuple[str, str], Comm] = {}
     for r in rows:
         k = (r.kind, r.axis)
         out[k] = dataclasses.replace(r, count=out[k].count + r.count, bytes=out[k].bytes + r.bytes) if k in out else r
     return list(out.values())
-
-
-def num_params(cfg: Any) -> int:
-    """Parameters of the GPT: the config's own count when it has one (tied embeddings), else untied."""
-    if callable(getattr(cfg, "num_params", None)):
-        return int(cfg.num_params())
-    c = _cfg(cfg)
-    blocks = sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg)) + 2 * c["d_model"]
-    return c["num_layers"] * blocks + c["d_model"] * (2 * c["vocab_size"] + 1)
-
-
-def activation_bytes(cfg: Any, tokens: int, seq_len: int, embed_split: int, head_split: int, nbytes: int = 2) -> float:
-    """Saved activations of one block for `tokens` tokens on one device, our layer (no dropout, SwiGLU, GQA).
-
-    Korthikanti et al. (2205.05198, §4.1) itemised for our block, elements per token: 4e (both RMSNorms' inputs
-    and outputs, split over the embed axis), (n + 2k)·hd (q, k, v) + n·hd (attention output) + 3f (gate, up,
-    SiLU product; split over the head / mlp axis), 2·n·s (scores and probabilities). At 2 bytes, f = 4e,
-    k = n: 40e + 4ns bytes per token, against Korthikanti's 34h + 5as (GELU MLP, dropout masks).
-    """
-    c = _cfg(cfg)
-    e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
-    per_token = 4 * e / embed_split + ((n + 2 * k) * hd + n * hd + 3 * f + 2 * n * seq_len) / head_split
-    return tokens * per_token * nbytes
-
-
-def memory(
-    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2
-) -> dict[str, float]:
-    """Bytes per device: params, grads, optimizer (ZeRO formulas), activations (all layers + fp32 logits)."""
-    c = _cfg(cfg)
-    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
-    gx, gy, gz, gd = (mesh.get(a, 1) for a in TP3D_ORDER)
-    if strategy not in _STATE_DEGREE:
-        raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
-    state_deg = _STATE_DEGREE[strategy](d, f, t, gx * gy * gz)
-    batch_deg = {"tp3d": gd * gz}.get(strategy, d * f)
-    embed_split, head_split = {"tp_sp": (t, t), "tp3d": (gx, gy)}.get(strategy, (1, t))
-    psi = num_params(cfg) / state_deg
-    tokens = global_batch / batch_deg * seq_len
-    if getattr(cfg, "remat", "none") == "full":  # only each block's input is saved (Korthikanti: 2sbh)
-        acts = c["num_layers"] * tokens * c["d_model"] / embed_split * nbytes
-    else:
-        acts = c["num_layers"] * activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes)
-    acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax
-    opt = (16 - 2 * nbytes) * psi / (d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
-    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": opt, "activations": acts}
-    return {**mem, "total": sum(mem.values())}
 
 
 def _node_size(hw: HardwarePreset) -> int:
@@ -329,25 +202,6 @@ def candidates(devices: int, strategies: Sequence[str]) -> list[tuple[str, dict[
     return out
 
 
-def _divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
-    c = _cfg(cfg)
-    if strategy == "tp3d":
-        gx, gy, gz, gd = (mesh.get(a, 1) for a in TP3D_ORDER)
-        if global_batch % (gd * gz):
-            return f"batch {global_batch} not divisible by G_d·G_z = {gd * gz}"
-        for name, h1, h2, tr in fc_layers(cfg):
-            gin, gout = (gy, gx) if tr else (gx, gy)
-            if h1 % gin or h2 % (gout * gz):
-                return f"{name} [{h1}, {h2}] not divisible by G_in={gin}, G_out·G_z={gout * gz}"
-        return ""
-    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
-    if global_batch % (d * f):
-        return f"batch {global_batch} not divisible by data·fsdp = {d * f}"
-    if t > 1 and (c["num_heads"] % t or c["num_kv_heads"] % t or c["mlp_dim"] % t):
-        return f"heads {c['num_heads']} / kv_heads {c['num_kv_heads']} / mlp {c['mlp_dim']} not divisible by tensor={t}"
-    return ""
-
-
 def plan(
     model_cfg: Any,
     devices: int,
@@ -364,9 +218,17 @@ def plan(
 ) -> list[Plan]:
     """Ranks every power-of-two plan by predicted communication time per step (fitting plans first).
 
-    Plans with indivisible shapes are dropped; plans over `memory_fraction` of HBM are rejected (kept, last,
-    with the reason, when `include_rejected`). `backend` defaults to the preset's platform.
+    `model_cfg` brings the model's terms (`cost_model`, `indivisible`; module docstring). Plans with indivisible
+    shapes are dropped; plans over `memory_fraction` of HBM are rejected (kept, last, with the reason, when
+    `include_rejected`). `backend` defaults to the preset's platform.
     """
+    hook = getattr(model_cfg, "cost_model", None)
+    if hook is None:
+        raise ShardkitError(
+            f"plan: {type(model_cfg).__name__} has no cost_model(strategy, mesh, batch_shapes, nbytes, backend) "
+            "hook; give a model config that has one (models/gpt.py's GPTConfig does)"
+        )
+    indivisible = getattr(model_cfg, "indivisible", lambda *_: "")
     if devices < 1 or devices & (devices - 1):
         raise ShardkitError(f"plan: devices={devices} must be a power of two")
     if variant not in ("alpha-beta", "axonn"):
@@ -375,10 +237,12 @@ def plan(
     backend = backend or hw.platform
     plans = []
     for s, mesh in candidates(devices, strategies):
-        if _divisibility(s, model_cfg, mesh, global_batch):
+        if indivisible(s, mesh, global_batch):
             continue
-        comms = strategy_comms(s, model_cfg, mesh, global_batch, seq_len, nbytes, backend)
-        mem = memory(s, model_cfg, mesh, global_batch, seq_len, nbytes)
+        terms = hook(s, mesh, {"inputs": (global_batch, seq_len)}, nbytes, backend)
+        if terms is None:
+            raise ShardkitError(f"plan: the model's cost model does not cover strategy {s!r}; leave it out")
+        comms, mem, _ = terms
         cap = memory_fraction * hw.hbm_bytes
         reason = "" if mem["total"] <= cap else f"needs {mem['total'] / 2**30:.1f} GiB > {cap / 2**30:.1f} GiB usable"
         plans.append(Plan(s, mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason))
@@ -398,18 +262,4 @@ def format_plans(plans: Sequence[Plan]) -> str:
     return "\n".join(lines)
 
 
-__all__ = [
-    "Comm",
-    "Plan",
-    "activation_bytes",
-    "candidates",
-    "comm_time",
-    "fc_layers",
-    "format_plans",
-    "memory",
-    "num_params",
-    "plan",
-    "ring_factor",
-    "strategy_comms",
-    "tp3d_layer_comms",
-]
+__all__ = ["Comm", "Plan", "candidates", "comm_time", "format_plans", "plan", "ring_factor", "tp3d_layer_comms"]

@@ -2,7 +2,7 @@
 
 Prediction = compilation: for each of the 20 factorisations of 8 devices, one fwd + bwd of a GPT block's four
 projections (QKV, attention-out transposed, MLP-in, MLP-out transposed) as `tensor3d.linear` layers, with the
-block's real shapes; the bytes `costmodel.strategy_comms("tp3d")` predicts per collective kind and mesh axis
+block's real shapes; the bytes `gpt_cost.strategy_comms("tp3d")` predicts per collective kind and mesh axis
 must equal those `shardkit.hlo` counts in the compiled HLO within 2%, and nothing else may be compiled. And for
 the whole GPT train step under the `tp3d` GSPMD rules (SGD, batch 16 x seq 32, every 8-device factorisation):
 `strategy_comms("tp3d", gspmd=True, backend="cpu")` per (kind, mesh axes) vs the compiled step, within 2%.
@@ -18,6 +18,7 @@ from common import TINY
 from jax.sharding import NamedSharding
 
 import shardkit as sk
+from models import gpt_cost as gc
 from models.gpt import GPT, GPTConfig
 from shardkit import costmodel as cm
 from shardkit import hlo, tensor3d
@@ -30,7 +31,7 @@ FACTS = [f for f in itertools.product((1, 2, 4, 8), repeat=4) if np.prod(f) == 8
 
 def stack_step(mesh, cfg=STACK):
     """Compiled fwd + bwd of L blocks' projections, returning the outputs and the grads of every input and weight."""
-    layers = [(h1, h2, tr) for _ in range(cfg.num_layers) for _, h1, h2, tr in cm.fc_layers(cfg)]
+    layers = [(h1, h2, tr) for _ in range(cfg.num_layers) for _, h1, h2, tr in gc.fc_layers(cfg)]
 
     def fwd(xs, ws):
         return [tensor3d.linear(x, w, mesh=mesh, transpose=tr) for x, w, (_, _, tr) in zip(xs, ws, layers, strict=True)]
@@ -57,7 +58,7 @@ def test_tp3d_prediction_equals_compilation(grid):
     mesh = sk.make_mesh(f"data={gd},depth={gz},row={gy},col={gx}")
     compiled = stack_step(mesh)
     got = {(k, a): v["bytes_sent"] for (k, a), v in hlo.summarize(hlo.collectives(compiled, mesh)).items()}
-    comms = cm.strategy_comms("tp3d", STACK, dict(mesh.shape), B, S, nbytes=4, backend="cpu")
+    comms = gc.strategy_comms("tp3d", STACK, dict(mesh.shape), B, S, nbytes=4, backend="cpu")
     want = {(c.kind, (c.axis,)): c.bytes for c in comms}
     assert set(got) == set(want), (got, want)
     for key, v in want.items():
@@ -95,7 +96,7 @@ def test_tp3d_gpt_step_prediction_equals_compilation(grid):
     gx, gy, gz, gd = grid
     mesh = sk.make_mesh(f"data={gd},depth={gz},row={gy},col={gx}")
     got = gpt_step_collectives(mesh)
-    comms = cm.strategy_comms("tp3d", GPT_CFG, dict(mesh.shape), GB, GS, nbytes=4, backend="cpu", gspmd=True)
+    comms = gc.strategy_comms("tp3d", GPT_CFG, dict(mesh.shape), GB, GS, nbytes=4, backend="cpu", gspmd=True)
     want = {(c.kind, tuple(c.axis.split(","))): c.bytes for c in comms}
     ok = set(got) == set(want) and all(got[k] == pytest.approx(v, rel=0.02) for k, v in want.items())
     if grid in KNOWN_DEVIATIONS and not ok:
@@ -132,15 +133,15 @@ def test_axonn_variant_uses_the_published_tables():
 
 def test_memory_follows_zero_and_tp3d_shards_state_over_the_three_tensor_axes():
     cfg, psi = STACK, STACK.num_params()
-    dp = cm.memory("dp", cfg, {"data": 8}, 8, 4)
+    dp = gc.memory("dp", cfg, {"data": 8}, 8, 4)
     assert dp["params"] + dp["grads"] + dp["optimizer"] == pytest.approx(16 * psi)  # ZeRO baseline 16 Psi
-    fsdp = cm.memory("fsdp", cfg, {"fsdp": 8}, 8, 4)
+    fsdp = gc.memory("fsdp", cfg, {"fsdp": 8}, 8, 4)
     assert fsdp["params"] + fsdp["grads"] + fsdp["optimizer"] == pytest.approx(16 * psi / 8)  # ZeRO-3
-    t3 = cm.memory("tp3d", cfg, {"data": 2, "depth": 2, "row": 2, "col": 1}, 8, 4)
+    t3 = gc.memory("tp3d", cfg, {"data": 2, "depth": 2, "row": 2, "col": 1}, 8, 4)
     assert t3["params"] == pytest.approx(2 * psi / 4)
     # Korthikanti adapted: with the tensor axes at 1 the block's activations are the unsharded ones
-    one = cm.activation_bytes(cfg, 1, 4, 1, 1)
-    assert cm.activation_bytes(cfg, 1, 4, 2, 2) == pytest.approx(one / 2)
+    one = gc.activation_bytes(cfg, 1, 4, 1, 1)
+    assert gc.activation_bytes(cfg, 1, 4, 2, 2) == pytest.approx(one / 2)
 
 
 def test_plan_ranks_by_time_and_rejects_what_does_not_fit():
@@ -169,18 +170,23 @@ def test_plan_bad_input(kwargs, match):
         cm.plan(STACK, **args)
 
 
+def test_plan_needs_the_models_cost_hook():
+    with pytest.raises(sk.ShardkitError, match=r"has no cost_model\(strategy, mesh, batch_shapes, nbytes, backend\)"):
+        cm.plan(object(), devices=8, hardware="perlmutter", global_batch=8, seq_len=16)
+
+
 def test_combined_strategies_compose_their_parts_and_unknown_ones_are_refused():
     """fsdp_tp = fsdp's rows over fsdp + tp's rows over tensor; ZeRO-1 = dp with the gradient all-reduce split
     into a reduce-scatter and a parameter all-gather (same bytes); optimizer state 1/data per device."""
 
     mesh = {"data": 2, "fsdp": 2, "tensor": 2}
-    rows = lambda s, m=mesh: {(c.kind, c.axis): c.bytes for c in cm.strategy_comms(s, TINY, m, 16, 32, 4, "gpu")}
+    rows = lambda s, m=mesh: {(c.kind, c.axis): c.bytes for c in gc.strategy_comms(s, TINY, m, 16, 32, 4, "gpu")}
     both, fsdp, tp = rows("dp_fsdp_tp"), rows("fsdp"), rows("tp")
     assert {k: v for k, v in both.items() if k[1] == "fsdp"} == {k: v for k, v in fsdp.items() if k[1] == "fsdp"}
     assert {k: v for k, v in both.items() if k[1] == "tensor"} == {k: v for k, v in tp.items() if k[1] == "tensor"}
     z, dp = rows("zero1", {"data": 8}), rows("dp", {"data": 8})
     assert z[("reduce-scatter", "data")] + z[("all-gather", "data")] == pytest.approx(dp[("all-reduce", "data")])
-    zmem, dpmem = (cm.memory(s, TINY, {"data": 8}, 16, 32, 4) for s in ("zero1", "dp"))
+    zmem, dpmem = (gc.memory(s, TINY, {"data": 8}, 16, 32, 4) for s in ("zero1", "dp"))
     assert zmem["optimizer"] * 8 == pytest.approx(dpmem["optimizer"]) and zmem["params"] == dpmem["params"]
     with pytest.raises(sk.ShardkitError, match=r"no formula for strategy 'sp_zigzag'"):
-        cm.strategy_comms("sp_zigzag", TINY, {"seq": 8}, 16, 32)
+        gc.strategy_comms("sp_zigzag", TINY, {"seq": 8}, 16, 32)

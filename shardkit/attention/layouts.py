@@ -112,10 +112,11 @@ def layout_batch(batch: Mapping[str, Any], layout: str, n: int) -> dict[str, Any
     Inputs, targets, positions and segment ids move together, so every (input, target) pair and its position
     stay aligned; numpy in, numpy out (jax arrays stay jax arrays).
     """
-    b, t = np.shape(batch["inputs"])
+    first = next(iter(batch.values()))  # every entry is [batch, seq]: any one gives the shape
+    b, t = np.shape(first)[:2]
     out = dict(batch)
     if "positions" not in out:
-        xp = jnp if isinstance(batch["inputs"], jax.Array) else np
+        xp = jnp if isinstance(first, jax.Array) else np
         out["positions"] = xp.broadcast_to(xp.arange(t, dtype=np.int32), (b, t))
     perm = layout_perm(layout, t, n)
     for key, value in out.items():

@@ -1,0 +1,244 @@
+"""The GPT's cost model: per-device communication and memory of one train step of models/gpt.py, per strategy.
+
+(The one file in models/ that names mesh axes: its formulas are per strategy and mesh, the model-side terms
+that shardkit's cost machinery asks the model for; the GPT itself, gpt.py, names none.)
+
+These are the model-specific terms `shardkit` leaves to the model: `GPTConfig.cost_model` (what `sk.explain`
+and `sk.plan` ask) calls `strategy_comms` and `memory` below. The generic machinery — ring volumes, the
+alpha-beta time per link, AxoNN's fitted model, the planner, and the tensor3d linear's own collectives — stays
+in `shardkit.costmodel`; parameter traffic of any model under any rules table is `shardkit.costmodel_rules`.
+
+Bytes are per device per step, ring volumes (ALGORITHMS.md §1): all-gather / reduce-scatter (p-1)/p·n,
+all-reduce 2(p-1)/p·n, n the full buffer. `backend="cpu"` models what XLA:CPU compiles: GSPMD's
+reduce-scatters (FSDP gradients, Megatron-SP's g) become a full all-reduce plus a dynamic-slice.
+
+Memory per device: model state by the ZeRO formulas (16 bytes per parameter in mixed precision with Adam:
+2 params + 2 grads + 12 fp32 master/m/v, divided by the degree each strategy shards it over; Rajbhandari et
+al. 1910.02054) and activations per layer adapted from Korthikanti et al. 2205.05198 Table 2 to our block
+(`activation_bytes`).
+
+The tp3d GSPMD step (`strategy_comms("tp3d", ..., gspmd=True)`) = the projections (AxoNN's model,
+`shardkit.costmodel.tp3d_layer_comms`) + `gpt_extra_comms`, derived from models/gpt.py, shardkit/train.py and
+the `tp3d` rules (strategies.py): parameters embed -> (col, depth), heads / kv_heads / mlp / vocab -> row;
+compute batch -> (data, depth), embed -> col, heads / mlp / vocab -> row. Each term below was matched, by the
+op_name metadata of `compiled.as_text()`, to the collective XLA emits for it (tests/test_costmodel.py, all 20
+factorisations of 8 CPU devices). Notation: r = tokens / (G_d·G_z) local token rows, e_l = d_model / G_x,
+V_l = vocab / G_y.
+
+What XLA chooses and we follow: weight-gradient matmuls (dW = xᵀ dy) reduce over depth as a reduce-scatter
+(CPU: all-reduce of the full block) then the shard over data, like `tensor3d.linear`; gradients that are not
+matmuls (the embedding's scatter-add, RMSNorm scales' reduce_sum) are all-reduced over (data, depth) at once.
+Known exception: on some small meshes (G_x = 2, G_y = 1, G_z = 2, G_d = 2 for the tiny test GPT) XLA's
+partitioner prefers all-gathering activations over col and weights over (depth, col) to the partial-sum
+all-reduces; that choice depends on XLA's cost heuristics and is not modelled (listed in the test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from shardkit.costmodel import TP3D_ORDER, Comm, _Builder, _merge, tp3d_layer_comms
+from shardkit.errors import ShardkitError
+
+
+def _cfg(cfg: Any) -> dict[str, int]:
+    """The GPT shape numbers the formulas use (models/gpt.py GPTConfig, or any object with those fields)."""
+    names = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size")
+    try:
+        return {n: int(getattr(cfg, n)) for n in names}
+    except AttributeError as e:
+        raise ShardkitError(f"model config {type(cfg).__name__} lacks {e.name!r}; give a GPTConfig-like object") from e
+
+
+def fc_layers(cfg: Any) -> list[tuple[str, int, int, bool]]:
+    """The four projections of one block as (name, H1 in, H2 out, transposed): AxoNN's FC1/FC2 alternation."""
+    c = _cfg(cfg)
+    e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
+    return [("qkv", e, (n + 2 * k) * hd, False), ("out", n * hd, e, True), ("mlp_in", e, 2 * f, False),
+            ("mlp_out", f, e, True)]  # fmt: skip
+
+
+#: shards of the parameters (and of gradients / optimizer state) per strategy, from (data, fsdp, tensor, 3D grid)
+_STATE_DEGREE: dict[str, Callable[[int, int, int, int], int]] = {
+    "dp": lambda d, f, t, g3: 1,
+    "zero1": lambda d, f, t, g3: 1,
+    "fsdp": lambda d, f, t, g3: f,
+    "tp": lambda d, f, t, g3: t,
+    "tp_sp": lambda d, f, t, g3: t,
+    "fsdp_tp": lambda d, f, t, g3: f * t,
+    "dp_fsdp_tp": lambda d, f, t, g3: f * t,
+    "tp3d": lambda d, f, t, g3: g3,
+}
+MODELLED = tuple(_STATE_DEGREE)  #: the strategies the GPT formulas below cover
+_MODELLED = ", ".join(MODELLED)
+
+
+def strategy_comms(
+    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
+    backend: str = "gpu", gspmd: bool = False,
+) -> list[Comm]:  # fmt: skip
+    """Per-device bytes per step of each collective of one GPT train step (no gradient accumulation).
+
+    dp: AR of all gradients over data. fsdp: AG of the parameters fwd, of the block parameters again bwd, RS of
+    the gradients (ZeRO-3). tp / tp_sp (Megatron, Korthikanti): (4L + 2) activation ARs over tensor (4 per
+    block + vocab-parallel embedding fwd and head bwd), or as many AG + RS pairs; gradients of the 1/t shard
+    all-reduced over data. tp3d: per block, `tp3d_layer_comms` for the four projections (AxoNN's model, exact
+    for a stack of `tensor3d.linear` layers); `gspmd=True`: the whole GPT step under the `tp3d` GSPMD rules,
+    the projections (whose depth reduce-scatter is an AR on CPU) + embedding, RMSNorms, head, vocab-parallel
+    cross-entropy and the loss / grad-norm scalars (`gpt_extra_comms`); rows may then name
+    several axes ("data,depth": one collective over their product).
+    """
+    c = _cfg(cfg)
+    e, L = c["d_model"], c["num_layers"]
+    psi = num_params(cfg)
+    blocks = L * sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
+    if strategy == "tp3d":
+        b = _Builder(mesh, TP3D_ORDER, backend)
+        for name, h1, h2, tr in fc_layers(cfg):
+            for _ in range(L):
+                tp3d_layer_comms(b, h1, h2, global_batch * seq_len, tr, nbytes, name, gspmd)
+        if gspmd:  # the whole GSPMD train step: embedding, norms, head, cross-entropy, scalars
+            gpt_extra_comms(b, cfg, global_batch * seq_len, nbytes, gspmd)
+        return _merge(b.rows)
+    b = _Builder(mesh, ("tensor", "fsdp", "data"), backend)
+    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
+    act = global_batch // (d * f) * seq_len * e * nbytes
+    shard = psi * nbytes / (t * f)
+    if strategy not in _STATE_DEGREE:
+        raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
+    if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
+        b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
+        b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
+        b.add("reduce-scatter", "fsdp", psi * nbytes / t, 1, "gradients", gspmd=True)
+    if strategy in ("tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp"):
+        n = 4 * L + 2
+        if strategy != "tp_sp":
+            b.add("all-reduce", "tensor", act * n, n, "Megatron f / g")
+        else:
+            b.add("all-gather", "tensor", act * n, n, "SP all-gathers")
+            b.add("reduce-scatter", "tensor", act * n, n, "SP reduce-scatters", gspmd=True)
+    if strategy == "zero1":  # gradients reduce-scattered onto the optimizer-state shards, parameters gathered back
+        b.add("reduce-scatter", "data", shard, 1, "gradients onto optimizer-state shards", gspmd=True)
+        b.add("all-gather", "data", shard, 1, "updated parameters")
+    else:
+        b.add("all-reduce", "data", shard, 1, "gradients over data")
+    return _merge(b.rows)
+
+
+def num_params(cfg: Any) -> int:
+    """Parameters of the GPT: the config's own count when it has one (tied embeddings), else untied."""
+    if callable(getattr(cfg, "num_params", None)):
+        return int(cfg.num_params())
+    c = _cfg(cfg)
+    blocks = sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg)) + 2 * c["d_model"]
+    return c["num_layers"] * blocks + c["d_model"] * (2 * c["vocab_size"] + 1)
+
+
+def activation_bytes(cfg: Any, tokens: int, seq_len: int, embed_split: int, head_split: int, nbytes: int = 2) -> float:
+    """Saved activations of one block for `tokens` tokens on one device, our layer (no dropout, SwiGLU, GQA).
+
+    Korthikanti et al. (2205.05198, §4.1) itemised for our block, elements per token: 4e (both RMSNorms' inputs
+    and outputs, split over the embed axis), (n + 2k)·hd (q, k, v) + n·hd (attention output) + 3f (gate, up,
+    SiLU product; split over the head / mlp axis), 2·n·s (scores and probabilities). At 2 bytes, f = 4e,
+    k = n: 40e + 4ns bytes per token, against Korthikanti's 34h + 5as (GELU MLP, dropout masks).
+    """
+    c = _cfg(cfg)
+    e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
+    per_token = 4 * e / embed_split + ((n + 2 * k) * hd + n * hd + 3 * f + 2 * n * seq_len) / head_split
+    return tokens * per_token * nbytes
+
+
+def memory(
+    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2
+) -> dict[str, float]:
+    """Bytes per device: params, grads, optimizer (ZeRO formulas), activations (all layers + fp32 logits)."""
+    c = _cfg(cfg)
+    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
+    gx, gy, gz, gd = (mesh.get(a, 1) for a in TP3D_ORDER)
+    if strategy not in _STATE_DEGREE:
+        raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
+    state_deg = _STATE_DEGREE[strategy](d, f, t, gx * gy * gz)
+    batch_deg = {"tp3d": gd * gz}.get(strategy, d * f)
+    embed_split, head_split = {"tp_sp": (t, t), "tp3d": (gx, gy)}.get(strategy, (1, t))
+    psi = num_params(cfg) / state_deg
+    tokens = global_batch / batch_deg * seq_len
+    if getattr(cfg, "remat", "none") == "full":  # only each block's input is saved (Korthikanti: 2sbh)
+        acts = c["num_layers"] * tokens * c["d_model"] / embed_split * nbytes
+    else:
+        acts = c["num_layers"] * activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes)
+    acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax
+    opt = (16 - 2 * nbytes) * psi / (d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
+    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": opt, "activations": acts}
+    return {**mem, "total": sum(mem.values())}
+
+
+def divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
+    c = _cfg(cfg)
+    if strategy == "tp3d":
+        gx, gy, gz, gd = (mesh.get(a, 1) for a in TP3D_ORDER)
+        if global_batch % (gd * gz):
+            return f"batch {global_batch} not divisible by G_d·G_z = {gd * gz}"
+        for name, h1, h2, tr in fc_layers(cfg):
+            gin, gout = (gy, gx) if tr else (gx, gy)
+            if h1 % gin or h2 % (gout * gz):
+                return f"{name} [{h1}, {h2}] not divisible by G_in={gin}, G_out·G_z={gout * gz}"
+        return ""
+    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
+    if global_batch % (d * f):
+        return f"batch {global_batch} not divisible by data·fsdp = {d * f}"
+    if t > 1 and (c["num_heads"] % t or c["num_kv_heads"] % t or c["mlp_dim"] % t):
+        return f"heads {c['num_heads']} / kv_heads {c['num_kv_heads']} / mlp {c['mlp_dim']} not divisible by tensor={t}"
+    return ""
+
+
+def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True) -> None:
+    """Adds to builder `b` (costmodel._Builder) the collectives of one GPT step besides the block projections.
+
+    Each `b.add(kind, axes, n, count)`: n = full buffer bytes summed over the `count` collectives."""
+    gx, gy, gz, gd = (b.mesh.get(a, 1) for a in ("col", "row", "depth", "data"))
+    e, v, L = int(cfg.d_model), int(cfg.vocab_size), int(cfg.num_layers)
+    r, el, vl, nb = tokens / (gd * gz), e / gx, v / gy, nbytes
+    tied = bool(getattr(cfg, "tie_embeddings", False))
+    bd = "data,depth"  # the batch axes of the compute rules
+
+    # RMSNorm (gpt.rms_norm): mean(x²) over embed, sharded over col -> AR over col of one value per token, in the
+    # forward and again in the backward (d/dx needs sum(dy·scale·x) over embed). Two norms per block + final.
+    b.add("all-reduce", "col", (4 * L + 2) * r * nb, 4 * L + 2, "RMSNorm mean-square / its grad: AR_col, fwd + bwd")
+    # Norm scales rest on (col, depth), compute wants col only: AG over depth of e_l, fwd and again in the bwd of
+    # the layer scan (it re-gathers like the projection weights); the final norm's fwd + bwd (outside the scan).
+    b.add("all-gather", "depth", (4 * L + 2) * el * nb, 4 * L + 2, "RMSNorm scale AG over depth, fwd and bwd")
+    # Scale gradients: reduce_sum of (dy·x̂) over the tokens -> AR over (data, depth); 2 per block + final.
+    b.add("all-reduce", bd, (2 * L + 1) * el * nb, L + 1, "RMSNorm scale grads AR over (data, depth)")
+
+    # Embedding (vocab -> row, embed -> (col, depth)): the (vocab, embed) constraint gathers the depth shard,
+    # the lookup is a masked local gather summed over the vocab shards, and the scatter-add gradient is reduced
+    # over the batch axes.
+    b.add("all-gather", "depth", vl * el * nb, 1, "embedding table AG over depth")
+    b.add("all-reduce", "row", r * el * nb, 1, "embedding lookup: AR_row of the masked gathers")
+    b.add("all-reduce", bd, vl * el * nb, 1, "embedding grad (scatter-add) AR over (data, depth)")
+
+    # Output head (embed -> (col, depth), vocab -> row), logits = x w: like a tensor3d linear with one weight
+    # gather (no scan, so the backward reuses it). Tied: the same weight as the embedding, gathered once.
+    if not tied:
+        b.add("all-gather", "depth", vl * el * nb, 1, "head weight AG over depth")
+    b.add("all-reduce", "col", r * vl * nb, 1, "logits = AR_col(x w) fwd")
+    b.add("all-reduce", "row", r * el * nb, 1, "head dx = AR_row(dlogits wᵀ) bwd")
+    b.add("reduce-scatter", "depth", vl * el * nb, 1, "head dW RS over depth", gspmd=gspmd)
+    b.add("all-reduce", "data", vl * el / gz * nb, 1, "head dW shard AR over data")
+
+    # Vocab-parallel cross-entropy (optax softmax_cross_entropy_with_integer_labels, vocab over row): max,
+    # sum of exp and the target logit (take_along_axis), one value per token each, all-reduced over row.
+    b.add("all-reduce", "row", 3 * r * nb, 3, "cross-entropy max / sum-exp / target logit AR_row")
+
+    # Scalars (train.py): the mean loss over the batch axes; grad_norm = optax.tree.norm: one sum of squares per
+    # leaf, reduced over the axes the leaf is sharded on. XLA reduces the row part of the matrix leaves (embed,
+    # head, wqkv, wo, w_gate_up, w_down) and the (depth, col) part of all leaves (+ the 3 norm scales) apart.
+    mats = 5 if tied else 6
+    b.add("all-reduce", bd, nb, 1, "loss: sum over the batch")
+    b.add("all-reduce", "row", mats * nb, 1, "grad_norm: matrix leaves' sums of squares over row")
+    b.add("all-reduce", "depth,col", (mats + 3) * nb, 2, "grad_norm: all leaves' sums of squares over (depth, col)")
+
+
+__all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "gpt_extra_comms", "memory", "num_params",
+           "strategy_comms"]  # fmt: skip
