@@ -1,8 +1,12 @@
 """Context-parallel attention (ring, Ulysses, USP) against dense attention on one device, layouts, errors, HLO.
 
-Tolerance: outputs and gradients of q, k, v within 1e-5 of the reference's largest magnitude (fp32). The
-online softmax adds the same terms as dense softmax in a different order and with a running rescale, which
-costs a few ulps (~1e-7 measured); 1e-5 leaves room without hiding a wrong mask or a missing block.
+Tolerance: outputs and gradients of q, k, v within 5e-5 of the reference's largest magnitude (fp32; the kernels
+accumulate in fp32 whatever the input dtype, so float64 is no way out). The online softmax adds the same terms as
+dense softmax in a different order and with a running rescale per chunk. Rounding grows with the number of terms
+in a sum (up to 64 keys per output row; up to 64 queries x 2 heads per dK / dV row) plus one rescale per chunk
+(up to 16): to first order 2 x (128 + 16) u ~ 2e-5 of the scale between any two summation orders. Measured: 9e-7
+worst over the 22 cases (4e-7 median), 6e-7 with XLA's own CPU emitters at AVX2 instead of YNNPACK. A real defect
+is far larger: one key of 64 wrongly masked moves an output by ~1/64 of its scale.
 Shapes are tiny (b=2, S=48 or 64, 4 heads of 8) and chunks smaller than a block, so every kernel runs its
 chunk loops, skips and ring steps; S=48 over a ring of 4 is not a power of two (zigzag chunks of 6).
 """
@@ -17,7 +21,7 @@ from shardkit import hlo
 from shardkit.attention.layouts import block_positions, layout_perm
 
 B, D, HEADS = 2, 8, 4
-TOL = 1e-5
+TOL = 5e-5  # see the module docstring
 
 
 def qkv(seq: int, kv_heads: int, seed: int = 0):

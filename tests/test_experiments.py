@@ -3,10 +3,10 @@
 Training runs in-process (sharing the compile cache); only the SIGKILL test and the CLI error test start a
 subprocess. Exact resume is held to 1e-6 relative: the resumed run executes the same XLA program on the same
 data, so fp32 losses are expected to be bitwise equal (measured: they are). Resume on another mesh and strategy
-sums in another order: 8 AdamW steps later the losses differ by <= 1.7e-7 relative (measured with YNNPACK's
-kernels; 8.7e-8 with XLA's own CPU emitters at AVX2): ulp-level reduction-order noise, which AdamW amplifies in
-parameters whose gradient is ~0 and which therefore barely move the loss (see test_parity.py); held to 1e-5.
-(Over hundreds of steps that noise grows chaotically, so long runs under different strategies agree only
+sums in another order: 8 AdamW steps later the losses differ by <= 2.6e-7 relative (measured with the suite's
+compile flags; <= 1.7e-7 optimised, with YNNPACK's or XLA's own CPU kernels): reduction-order noise, which AdamW
+amplifies in parameters whose gradient is ~0 and which therefore barely move the loss (see test_parity.py); held
+to 1e-5. (Over hundreds of steps that noise grows chaotically, so long runs under different strategies agree only
 statistically, which is why these runs are short.)
 """
 

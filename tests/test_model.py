@@ -47,6 +47,7 @@ def test_scan_equals_applying_the_blocks_one_by_one(model):
         x = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked))(x, pos, None)
 
     ref = rms_norm(x, model.final_norm[...], TINY.norm_eps) @ model.head[...]
+    # the same fp32 ops, fused differently: observed max |diff| <= 2.1e-7 on logits up to 0.58 (1.5% of the tolerance)
     np.testing.assert_allclose(model(tokens), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -69,15 +70,24 @@ def test_dense_attention_gqa_and_segments_match_reference(segments):
     if segments:
         mask &= seg[:, :, None] == seg[:, None, :]
     out = sk.attention.dense_attention(q, k, v, causal=True, segment_ids=seg)
-    np.testing.assert_allclose(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    # An output is a softmax-weighted mean of <= 12 values of v (max |v| = 3.1). To first order one evaluation is off
+    # by <= (12 + ~15) u max|v| (the 12-term sum, plus each probability's rounding: shift, exp, 12-term normaliser,
+    # division), so two differ by <= ~1e-5 even where the mean cancels to ~0: atol 1e-5 (observed: 2.4e-7).
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    rng = np.random.default_rng(3)
-    q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32) for _ in range(2))
-    score = lambda i, j: float((rope(q, jnp.array([[i]]), 10_000.0) * rope(k, jnp.array([[j]]), 10_000.0)).sum())
-    assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-5)
-    assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)
+    """In float64: the identity is exact in real arithmetic, but in fp32 rounding of the angles pos * theta_i
+    (~1e-6 rad at pos 13) and the cancellation in this score (0.128 from terms summing to 8.1 in magnitude) leave
+    it at ~3e-6 relative, too close to any fp32 tolerance. In float64 it holds to 4e-15; asserted 1e-10."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float64) for _ in range(2))
+        rot = lambda x, i: rope(x, jnp.array([[i]]), 10_000.0)
+        score = lambda i, j: float((rot(q, i) * rot(k, j)).sum())
+        assert rot(q, 5).dtype == jnp.float64
+        assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-10)
+        assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)  # they differ by 96%
 
 
 @pytest.mark.parametrize(

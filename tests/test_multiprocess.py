@@ -1,8 +1,10 @@
 """experiments/launch_local.py: 2 processes x 4 CPU devices joined by jax.distributed on 127.0.0.1 train exactly
 like 1 process x 8 devices, and a killed process stops the run with a clear error instead of a hang.
 
-Every subprocess is bounded by a timeout; the coordinator listens on 127.0.0.1 only. Losses agree to 1e-5
-relative: the same XLA program on the same data, only the collectives' transport differs (gloo vs in-process).
+Every subprocess is bounded by a timeout (hang guards ~10x above what a loaded 2-core machine takes, or the suite's
+pytest timeout; nothing asserts a speed); the coordinator listens on 127.0.0.1 only. Losses agree to 1e-5
+relative: the same XLA program on the same data, only the collectives' transport differs (gloo vs in-process),
+and with it the order of the cross-process sums: measured 8e-8 (one ulp, at one of the 4 AdamW steps).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -78,11 +79,12 @@ def test_a_killed_process_stops_the_run_with_a_clear_error(tmp):
     proc = subprocess.Popen(_launch(tmp, "killed", steps=100_000), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    seen, pids, deadline = [], {}, time.monotonic() + 180
-    try:
+    reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True)
+    reader.start()
+    seen, pids = [], {}
+    try:  # no wall-clock deadline for start-up (compiling is machine-speed bound): the suite's pytest timeout is it
         while not any(ln.startswith("[p0] step") for ln in seen[-3:]):  # training has started
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen[-40:])
+            assert proc.poll() is None, "".join(seen[-40:])
             try:
                 seen.append(lines.get(timeout=1))
             except queue.Empty:
@@ -90,16 +92,17 @@ def test_a_killed_process_stops_the_run_with_a_clear_error(tmp):
             if m := re.search(r"pids (p0=\d+) (p1=\d+)", seen[-1]):
                 pids = dict(kv.split("=") for kv in m.groups())
         os.kill(int(pids["p1"]), signal.SIGKILL)
-        t0 = time.monotonic()
+        # Stopping takes the launcher's 0.2 s poll + --grace 3 s, whatever the machine's speed: 60 s only guards a hang.
         rc = proc.wait(timeout=60)
-        elapsed = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    time.sleep(0.5)
+    reader.join(timeout=60)  # the launcher's last lines: read to EOF (not a sleep that a slow machine outlasts)
     text = "".join(seen) + "".join(lines.get() for _ in range(lines.qsize()))
-    assert rc != 0 and elapsed < 60, text[-3000:]
-    assert re.search(r"error: process 1 \(pid \d+\) was killed by SIGKILL", text), text[-3000:]
+    assert rc != 0, text[-3000:]
+    # the launcher itself stopped process 0 (rather than a collective in it timing out later)
+    stopped = r"error: process 1 \(pid \d+\) was killed by SIGKILL; stopping the other 1 process"
+    assert re.search(stopped, text), text[-3000:]
     with pytest.raises(ProcessLookupError):  # process 0 was stopped too, not left hanging in a collective
         os.kill(int(pids["p0"]), 0)

@@ -1,8 +1,11 @@
 """AxoNN's 3D tensor x data linear layer vs the unsharded matmul, for all 20 factorisations of 8 devices.
 
-fp32 forward and gradients to rtol 1e-5 (the sharded layer sums the contraction in G_x partial sums and the
-weight gradient in G_d G_z partial sums: reduction-order noise only). One jit per factorisation checks both
-`transpose` values and the FC1 -> FC2 chain (whose compiled HLO must hold no collective between the two).
+fp32 forward and gradients to 1e-5 of each tensor's largest magnitude (the sharded layer sums the contraction in
+G_x partial sums and the weight gradient in G_d G_z partial sums: reduction-order noise only, which scales with the
+summed terms, not with an element that happens to cancel to ~0). Measured over all 20 factorisations: <= 2.2e-7
+with YNNPACK's kernels, <= 2.9e-7 with XLA's own CPU emitters at AVX2 (the worst: dW1). One jit per
+factorisation checks both `transpose` values and the FC1 -> FC2 chain (whose compiled HLO must hold no collective
+between the two).
 """
 
 import itertools
@@ -30,6 +33,11 @@ def grid_mesh(gx: int, gy: int, gz: int, gd: int):
 
 
 FACTS = factorisations()
+
+
+def assert_close_to_scale(got, want, rtol=1e-5):
+    err = float(np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max())
+    assert err <= rtol, f"max |diff| / max |ref| = {err:.3g} > {rtol}"
 
 
 def reference(x, w1, w2, r1, r2):
@@ -66,11 +74,11 @@ def test_linear_and_transposed_linear_equal_the_matmul(grid):
     )
     y1, y2, grads = jax.jit(both)(x, *placed, r1, r2)
     ref_y1 = x @ w1
-    np.testing.assert_allclose(y1, ref_y1, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(y2, jnp.tanh(ref_y1) @ w2, rtol=1e-5, atol=1e-5)
+    assert_close_to_scale(y1, ref_y1)
+    assert_close_to_scale(y2, jnp.tanh(ref_y1) @ w2)
     ref_grads = jax.grad(reference, argnums=(0, 1, 2))(x, w1, w2, r1, r2)
     for g, rg in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-5)
+        assert_close_to_scale(g, rg)
     assert grads[1].sharding.is_equivalent_to(tensor3d.weight_sharding(mesh), 2)  # dW rests like W
 
 
@@ -103,13 +111,23 @@ def test_bad_inputs_raise_shardkit_error():
 
 
 # ---------------------------------------------------------------------------------------------------------- GPT
-# The `tp3d` strategy: 3 SGD-momentum steps of the tiny GPT on 8 devices equal one device (tolerances as in
-# test_parity.py: reduction-order noise, ~1e-7; asserted 1e-5).
+# The `tp3d` strategy: 3 SGD-momentum steps of the tiny GPT on 8 devices equal one device, in float64 (as
+# tests/test_pipeline.py's parity: fp32 losses were 8.8e-7 apart with the suite's compile flags, 11x under a 1e-5
+# tolerance). float64 reduction-order noise: measured <= 6e-16 on losses and parameters; asserted 1e-10.
+def gpt64():
+    from common import TINY
+
+    from models.gpt import GPTConfig
+
+    return GPTConfig(**{**TINY.__dict__, "dtype": "float64", "param_dtype": "float64"})
+
+
 @pytest.fixture(scope="module")
 def one_device_run():
     from common import one_device_mesh, train
 
-    return train(one_device_mesh(), "dp")[:2]
+    with jax.enable_x64(True):
+        return train(one_device_mesh(), "dp", cfg=gpt64())[:2]
 
 
 @pytest.mark.slow
@@ -117,7 +135,8 @@ def one_device_run():
 def test_gpt_training_under_tp3d_matches_one_device(spec, one_device_run):
     from common import train
 
-    losses, params, _, _ = train(sk.make_mesh(spec), "tp3d")
-    np.testing.assert_allclose(losses, one_device_run[0], rtol=1e-5)
+    with jax.enable_x64(True):
+        losses, params, _, _ = train(sk.make_mesh(spec), "tp3d", cfg=gpt64())
+    np.testing.assert_allclose(losses, one_device_run[0], rtol=1e-10)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_device_run[1]), strict=True):
-        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(b).max(), 1e-12)
+        assert a.dtype == np.float64 and np.abs(a - b).max() <= 1e-10 * max(np.abs(b).max(), 1e-12)
