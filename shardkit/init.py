@@ -70,6 +70,11 @@ def _nest(out: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     node[_key(path[-1])] = value
 
 
+def is_key(x: Any) -> bool:
+    """A typed PRNG key array (an RNG stream's state); the train step stores its raw data instead."""
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """(graphdef, parameters, the rest): BatchNorm statistics, RNG streams, any other nnx.Variable."""
     return nnx.split(model, nnx.Param, ...)

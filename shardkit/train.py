@@ -1,7 +1,7 @@
 """The jitted training step for any Flax NNX model: its own loss and batch, gradient accumulation, optax update.
 
     step = sk.make_train_step(model, optax.adamw(3e-4), mesh, "fsdp", loss_fn=loss_fn,
-                              batch_axes={"image": ("batch", "height", "width", "channels"), "label": ("batch",)})
+                              batch_axes={"image": ("batch", "height", "width", None), "label": ("batch",)})
     state = step.init_state()                 # optimizer state created directly sharded
     state, metrics = step(state, batch)       # metrics: loss, grad_norm and whatever loss_fn reports
 
@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.init import split_params, state_logical_axes, state_shardings
+from shardkit.init import is_key, split_params, state_logical_axes, state_shardings
 from shardkit.rules import flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
@@ -57,10 +57,6 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy of integer labels in nats, in fp32 at least (fp64 under x64 stays fp64)."""
     dtype = jnp.promote_types(logits.dtype, jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels).mean()
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_names(x: Any) -> bool:
@@ -98,7 +94,7 @@ class TrainStep:
         self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh)
         self.model_state_shardings = state_shardings(rest, rules, mesh, require=False)
         self._rest = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
-        self._keys = jax.tree.map(_is_key, self._rest)  # which model-state leaves are PRNG keys
+        self._keys = jax.tree.map(is_key, self._rest)  # which model-state leaves are PRNG keys
         abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         replicated = NamedSharding(mesh, PartitionSpec())
         self.opt_shardings = optax.tree_utils.tree_map_params(
@@ -169,10 +165,10 @@ class TrainStep:
         )
 
     def _unwrap(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+        return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
 
     def _wrap(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x) if k and not _is_key(x) else x, tree, self._keys)
+        return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x) if k and not is_key(x) else x, tree, self._keys)
 
     # ----------------------------------------------------------------------------------------------- batch
     def batch_names(self, batch: Batch) -> Any:
@@ -193,10 +189,10 @@ class TrainStep:
         if _is_names(axes):
             return jax.tree_util.tree_map_with_path(lambda p, x: names(p, x, axes), batch)
         try:
-            return jax.tree_util.tree_map_with_path(lambda p, x, a: names(p, x, a), batch, axes)
+            return jax.tree_util.tree_map_with_path(names, batch, axes)
+        except ShardkitError:
+            raise
         except ValueError as e:
-            if isinstance(e, ShardkitError):
-                raise
             structure = jax.tree.map(lambda x: tuple(x.shape), batch)
             raise ShardkitError(
                 f"batch_axes {axes} does not match the batch's structure {structure}: give one tuple of logical "
@@ -204,13 +200,10 @@ class TrainStep:
             ) from e
 
     def batch_shardings(self, batch: Batch) -> Any:
-        """NamedShardings for every batch leaf under the compute rules (checked for divisibility)."""
-        rules = self.bound.compute_rules
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x, n: NamedSharding(self.mesh, logical_to_spec(n, rules, self.mesh, None, f"batch{p}")),
-            batch,
-            self.batch_names(batch),
-        )
+        """NamedShardings for every batch leaf under the compute rules (divisibility: `check_batch`)."""
+        rules, names = self.bound.compute_rules, self.batch_names(batch)
+        spec = lambda p, n: logical_to_spec(n, rules, self.mesh, None, f"batch{jax.tree_util.keystr(p)}")
+        return jax.tree_util.tree_map_with_path(lambda p, x, n: NamedSharding(self.mesh, spec(p, n)), batch, names)
 
     @property
     def batch_sharding(self) -> NamedSharding:
