@@ -3,7 +3,11 @@
 Works for any model and any strategy, registered ones included: what moves is decided by three layouts of each
 parameter, all read from the tables: where it rests (parameter rules, S), where the forward needs it (its
 logical names under the compute rules, C) and where the optimizer updates it (optimizer-state rules, O), plus
-the mesh axes the batch is split over (B = the compute rule of `batch`). Per parameter of n bytes:
+the mesh axes the batch is split over (B = the compute rule of `batch`; the data's other split dimensions, a
+sequence over `seq`, reduce gradients in an all-reduce of their own, as XLA emits it). A layer-stack kernel
+other than the scan (a pipeline) uses the stacked parameters where they rest: their `layers` axes count as C.
+Checked against the compiled HLO (tests/test_explain.py; `python -m experiments.explain`): exact per row for
+the GPT under a registered fsdp_mlp, sp_zigzag (data, seq) and pp_dp (data). Per parameter of n bytes:
 
 - forward: all-gather over S - C of the n/|C| compute shard (ZeRO-3's gather); parameters with a `layers`
   dimension are gathered again in the backward (a scanned stack does not keep gathered weights as residuals).
@@ -43,12 +47,30 @@ def _deg(axes: set[str], mesh: Mapping[str, int]) -> int:
     return math.prod(mesh.get(a, 1) for a in axes)
 
 
+def _data_axes(step: Any) -> list[set[str]]:
+    """Mesh axes that split the data, one group per logical name of the batch (`batch` first, then e.g. `seq`)."""
+    axes = step.batch_axes
+    leaves = [axes] if isinstance(axes, tuple) and all(n is None or isinstance(n, str) for n in axes) else (
+        jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))  # fmt: skip
+    names = dict.fromkeys(["batch", *(n for t in leaves for n in t if n is not None)])
+    rules, mesh = step.bound.compute_rules, dict(step.mesh.shape)
+    groups = [{a for a in (rules.get(n) or ()) if mesh.get(a, 1) > 1} for n in names]
+    return [g for g in groups if g]
+
+
 def state_comms(step: Any, backend: str) -> list[Comm]:
     """The parameter traffic of one train step of `step` (a TrainStep), by the rules (module docstring)."""
     mesh = dict(step.mesh.shape)
     b = _Builder(mesh, list(step.mesh.axis_names)[::-1], backend)
     rules = step.bound.compute_rules
-    batch = {a for a in (rules.get("batch") or ()) if mesh.get(a, 1) > 1}
+    groups = _data_axes(step)
+    batch = (
+        groups[0] if groups and groups[0] == {a for a in (rules.get("batch") or ()) if mesh.get(a, 1) > 1} else set()
+    )
+    others = [g for g in groups if g is not batch]
+    # a layer-stack kernel other than the scan (a pipeline) runs each stage's layers where they rest
+    kernel_keeps_layers = step.strategy.kernels.get("layers", "scan") != "scan"
+    stage_axes = set(step.bound.param_rules.get("layers") or ())
     names = jax.tree.leaves(step.param_names, is_leaf=lambda x: isinstance(x, tuple))
     shapes = jax.tree.leaves(step.abstract_state().params)
     stored = jax.tree.leaves(step.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
@@ -58,6 +80,8 @@ def state_comms(step: Any, backend: str) -> list[Comm]:
         full = math.prod(sds.shape) * np.dtype(sds.dtype).itemsize
         # the docstring's S, C, O: where it rests, where the forward uses it, where it is updated
         rest, use, upd = spec_axes(s.spec), spec_axes(logical_to_spec(n, rules, step.mesh)), spec_axes(o.spec)
+        if kernel_keeps_layers and "layers" in n:
+            use |= stage_axes & rest
         shard = full / _deg(use, mesh)
         if rest - use:
             b.add("all-gather", order(rest - use), shard, 0, "parameters gathered for the forward")
@@ -68,6 +92,9 @@ def state_comms(step: Any, backend: str) -> list[Comm]:
             b.add("reduce-scatter", order(rs), shard, 0, "gradients onto their shards", gspmd=True)
         if ar:
             b.add("all-reduce", order(ar), shard / _deg(rs, mesh), 0, "gradients over the batch axes")
+        for g in others:  # the data's other split dimensions (sequence): their own all-reduce, as XLA emits it
+            if g - use:
+                b.add("all-reduce", order(g - use), shard / _deg(rs, mesh), 0, "gradients over a split data dim")
         if upd - rest:
             b.add("all-gather", order(upd - rest), full / _deg(rest, mesh), 0, "updated parameters, optimizer shards")
     return [Comm(**{**c.__dict__, "count": 1}) for c in _merge(b.rows)]
