@@ -73,6 +73,20 @@ def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.Gr
     optimizer.decay_steps or steps."""
     if opt.name != "adamw":
         raise sk.ShardkitError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
+    checks = {
+        "lr": opt.lr > 0,
+        "grad_clip": opt.grad_clip >= 0,
+        "weight_decay": opt.weight_decay >= 0,
+        "eps": opt.eps >= 0,
+        "b1": 0 <= opt.b1 < 1,
+        "b2": 0 <= opt.b2 < 1,
+        "min_lr_ratio": opt.min_lr_ratio >= 0,
+    }
+    for key, ok in checks.items():  # NaN fails every comparison: refused too
+        if not ok or not math.isfinite(opt[key]):
+            want = {"lr": "> 0", "eps": ">= 0", "b1": "in [0, 1)", "b2": "in [0, 1)"}.get(key, ">= 0 (0 = off)")
+            raise sk.ShardkitError(f"optimizer.{key}={opt[key]} must be finite and {want} (a negative learning "
+                                   "rate or clip norm would train uphill)")  # fmt: skip
     decay = opt.decay_steps or steps
     warmup = opt.warmup_steps if opt.warmup_steps >= 0 else min(30, decay // 10)
     if not warmup < decay:

@@ -28,6 +28,10 @@ from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh
 LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
                 "height", "width", "depth", "channels", "classes")  # fmt: skip
 _REPLICATED: dict[str, MeshAxes] = dict.fromkeys(LOGICAL_AXES)
+#: Mesh axis names the strategies use; a rule may name one the mesh lacks (it is then dropped: data parallelism
+#: without a `data` axis is no data parallelism), but a name outside this list must be in the mesh.
+MESH_AXES = ("data", "fsdp", "tensor", "seq", "seq_u", "seq_r", "stage", "expert", "space", "space_h", "space_w",
+             "row", "col", "depth")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +113,20 @@ class Strategy:
         return {a: n for a, n in out.items() if n > 1 or a in self.required_axes}
 
     def bind(self, mesh: Mesh) -> BoundStrategy:
-        """Checks the strategy against a mesh and drops optional axes the mesh lacks."""
+        """Checks the strategy against a mesh and drops optional axes the mesh lacks.
+
+        An axis the mesh lacks may be dropped only if it is one of the known mesh axis names (MESH_AXES): any
+        other name is a typo in a rule ('tensr'), which would silently replicate what it should shard."""
+        unknown = sorted(a for a in self.mesh_axes() if a not in mesh.shape and a not in MESH_AXES)
+        if unknown:
+            rule = next(f"{t}[{n!r}]" for t, table in (("param_rules", self.param_rules),
+                        ("compute_rules", self.compute_rules), ("opt_rules", self.opt_rules or {}))
+                        for n, axes in table.items() if unknown[0] in (axes or ()))  # fmt: skip
+            raise ShardkitError(
+                f"strategy {self.name!r}: {rule} names mesh axis {unknown[0]!r}, which is neither in the mesh "
+                f"{dict(mesh.shape)} nor a known mesh axis ({', '.join(MESH_AXES)}); fix the rule, or add the axis "
+                "to the mesh"
+            )
         unused = [a for a, n in mesh.shape.items() if n > 1 and a not in self.mesh_axes()]
         if unused:
             raise ShardkitError(

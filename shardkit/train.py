@@ -33,16 +33,16 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardkit import batch as batching
 from shardkit import kernels
+from shardkit.batch import Batch, BatchAxes
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes, state_shardings
 from shardkit.rules import flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
 
-Batch = Any  # a pytree of arrays
 LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
-BatchAxes = tuple[str | None, ...] | Any  # one tuple for every leaf, or a pytree of tuples matching the batch
 
 
 @flax.struct.dataclass
@@ -59,8 +59,20 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels).mean()
 
 
-def _is_names(x: Any) -> bool:
-    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+def _param_specs(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {
+        jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+
+def _check_alive(tree: Any, what: str) -> None:
+    """A ShardkitError, not a crash in XLA, for arrays a donating step has consumed."""
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree)):
+        raise ShardkitError(
+            f"{what} holds deleted arrays: a train step donates the state it is given, so after "
+            "`state, metrics = step(state, batch)` only the returned state is valid. Keep using the returned one "
+            "(or build the step with donate=False to keep old states alive, at twice the memory)"
+        )
 
 
 class TrainStep:
@@ -94,6 +106,7 @@ class TrainStep:
         self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh)
         self.model_state_shardings = state_shardings(rest, rules, mesh, require=False)
         self._rest = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
+        self._param_specs = _param_specs(nnx.to_pure_dict(params))
         self._keys = jax.tree.map(is_key, self._rest)  # which model-state leaves are PRNG keys
         abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -139,8 +152,11 @@ class TrainStep:
                 "this TrainStep was built from an abstract model (shapes only); pass the real model: "
                 "step.init_state(sk.sharded_init(make_model, mesh, strategy))"
             )
-        params = jax.device_put(params, self.param_shardings)
-        rest = jax.device_put(rest, self.model_state_shardings)
+        _check_alive(params, "the model's parameters")
+        # copies (may_alias=False): each step donates the state it is given, so the state must not share buffers
+        # with the user's model, which would be deleted by the first step (issue #15)
+        params = jax.device_put(params, self.param_shardings, may_alias=False)
+        rest = jax.device_put(rest, self.model_state_shardings, may_alias=False)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
         return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)
@@ -173,71 +189,24 @@ class TrainStep:
     # ----------------------------------------------------------------------------------------------- batch
     def batch_names(self, batch: Batch) -> Any:
         """Each batch leaf's logical names (padded with None to its rank), as a pytree like the batch."""
-        axes = self.batch_axes
-
-        def names(path: Any, leaf: Any, given: tuple) -> tuple:
-            ndim = len(leaf.shape)
-            if not _is_names(given):
-                raise ShardkitError(f"batch_axes for batch{jax.tree_util.keystr(path)} must be a tuple of names")
-            if len(given) > ndim and not _is_names(axes):
-                raise ShardkitError(
-                    f"batch{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)} but batch_axes gives "
-                    f"{len(given)} names {given}; give at most one name per dimension"
-                )
-            return tuple(given[:ndim]) + (None,) * (ndim - len(given))
-
-        if _is_names(axes):
-            return jax.tree_util.tree_map_with_path(lambda p, x: names(p, x, axes), batch)
-        try:
-            return jax.tree_util.tree_map_with_path(names, batch, axes)
-        except ShardkitError:
-            raise
-        except ValueError as e:
-            structure = jax.tree.map(lambda x: tuple(x.shape), batch)
-            raise ShardkitError(
-                f"batch_axes {axes} does not match the batch's structure {structure}: give one tuple of logical "
-                "names per batch entry, or one tuple for all of them"
-            ) from e
+        return batching.leaf_names(batch, self.batch_axes)
 
     def batch_shardings(self, batch: Batch) -> Any:
         """NamedShardings for every batch leaf under the compute rules (divisibility: `check_batch`)."""
-        rules, names = self.bound.compute_rules, self.batch_names(batch)
-        spec = lambda p, n: logical_to_spec(n, rules, self.mesh, None, f"batch{jax.tree_util.keystr(p)}")
-        return jax.tree_util.tree_map_with_path(lambda p, x, n: NamedSharding(self.mesh, spec(p, n)), batch, names)
+        return batching.shardings(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh)
 
     @property
     def batch_sharding(self) -> NamedSharding:
         """The sharding of a batch leaf of rank >= len(batch_axes) when batch_axes is one tuple (e.g. the GPT's
         [batch, seq] tokens); for a pytree of batch_axes use `batch_shardings(batch)`."""
-        if not _is_names(self.batch_axes):
+        if not batching.is_names(self.batch_axes):
             raise ShardkitError("batch_axes is a pytree: use step.batch_shardings(batch) for its shardings")
         return NamedSharding(self.mesh, logical_to_spec(self.batch_axes, self.bound.compute_rules, self.mesh))
 
     def check_batch(self, batch: Batch, microbatches: int | None = None) -> None:
-        """Divisibility of every batch leaf by its mesh axes (and the leading one by microbatches), before XLA."""
-        if not jax.tree.leaves(batch):
-            raise ShardkitError("the batch has no arrays")
-        rules, m = self.bound.compute_rules, self.microbatches if microbatches is None else microbatches
-        leaves = jax.tree_util.tree_leaves_with_path(batch)
-        all_names = jax.tree.leaves(self.batch_names(batch), is_leaf=_is_names)
-        for (path, leaf), names in zip(leaves, all_names, strict=True):
-            if len(leaf.shape) == 0:
-                raise ShardkitError(
-                    f"batch{jax.tree_util.keystr(path)} is a scalar; each entry needs a batch dimension"
-                )
-            for dim, (size, name) in enumerate(zip(leaf.shape, names, strict=True)):
-                axes = (rules.get(name) or ()) if name is not None else ()
-                if name is not None and name not in rules:
-                    logical_to_spec(names, rules, self.mesh, None, f"batch{jax.tree_util.keystr(path)}")  # raises
-                degree = math.prod(self.mesh.shape[a] for a in axes) * (m if dim == 0 else 1)
-                if size % degree:
-                    what = "batch" if dim == 0 else "sequence length" if name == "seq" else f"{name!r} dimension"
-                    micro = f" x {m} microbatches" if dim == 0 and m > 1 else ""
-                    raise ShardkitError(
-                        f"{what} {size} is not divisible by {degree} (mesh axes {axes or '()'}{micro}; "
-                        f"batch{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}); use a {what} that is a "
-                        f"multiple of {degree}"
-                    )
+        """The batch fits the mesh and the microbatches (shardkit/batch.py), before XLA sees it."""
+        m = self.microbatches if microbatches is None else microbatches
+        batching.check(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh, m)
 
     def _jit(self, batch: Batch) -> Any:
         key = jax.tree.structure(batch)
@@ -255,8 +224,29 @@ class TrainStep:
         return self._jitted[key]
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        if self._donate:
+            _check_alive(state, "this TrainState")
+        self._check_state(state)
         self.check_batch(batch)
-        return self._jit(batch)(state, batch)
+        jitted = self._jit(batch)
+        return jitted(state, self._place(batch))
+
+    def _check_state(self, state: TrainState) -> None:
+        """The state is this step's model's: for other shapes jit would retrace and train another model."""
+        got = _param_specs(state.params)
+        if got != self._param_specs:
+            diff = next(
+                (f"{k} is {got.get(k, 'missing')}, the step's model has {v}"
+                 for k, v in self._param_specs.items() if got.get(k) != v),
+                f"it has parameters the model lacks: {sorted(set(got) - set(self._param_specs))}",
+            )  # fmt: skip
+            raise ShardkitError(
+                f"this TrainState's parameters are not this step's model's: {diff}. Build the state with "
+                "step.init_state(), or restore a checkpoint onto step.abstract_state()"
+            )
+
+    def _place(self, batch: Batch) -> Batch:
+        return batching.place(batch, self.batch_shardings(batch))
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         self.check_batch(batch)
@@ -273,9 +263,10 @@ class TrainStep:
             if self.has_model_state:
                 raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
             model_state = self._unwrap(self._rest)
+        _check_alive((params, model_state), "this state")
         self.check_batch(batch, microbatches=1)  # evaluation takes the batch whole
         self._jit(batch)
-        return self._evals[jax.tree.structure(batch)](params, model_state, batch)
+        return self._evals[jax.tree.structure(batch)](params, model_state, self._place(batch))
 
     # ------------------------------------------------------------------------------------------- the step
     @contextlib.contextmanager

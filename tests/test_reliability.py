@@ -1,0 +1,95 @@
+"""Misuse that used to crash the interpreter or train silently wrong is refused with a ShardkitError (issue #15,
+items 1, 4 and 7; the rest of that issue is still open)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from common import TINY, make_batch
+from flax import nnx
+
+import shardkit as sk
+from experiments import train as tr
+from experiments.configs import base
+from models.gpt import GPT
+from shardkit.init import split_params
+
+
+@pytest.fixture(scope="module")
+def run():
+    mesh = sk.make_mesh("data=2,fsdp=4")
+    model = sk.sharded_init(lambda rngs: GPT(TINY, rngs=rngs), mesh, "fsdp")
+    return mesh, model, sk.make_train_step(model, optax.sgd(0.1), mesh, "fsdp")
+
+
+def test_the_state_never_aliases_the_model_and_a_consumed_state_is_an_error(run):
+    """A step donates the state it is given. The model's own arrays must survive it, a second init_state must give
+    live arrays, and reusing a consumed state must be a ShardkitError — it used to kill the process (exit 139)."""
+    _, model, step = run
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(split_params(model)[1]))
+    state = step.init_state()
+    new, _ = step(state, make_batch())
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(split_params(model)[1]))
+    jax.tree.map(np.testing.assert_array_equal, after, before)  # the model is untouched, and readable
+    with pytest.raises(sk.ShardkitError, match=r"TrainState holds deleted arrays: a train step donates"):
+        step(state, make_batch())
+    again = step.init_state()  # a fresh state from the (intact) model
+    step(again, make_batch())
+    assert not any(x.is_deleted() for x in jax.tree.leaves(new))
+
+
+def test_a_batch_anywhere_is_placed_on_the_mesh(run):
+    """numpy, or an array committed to one device: moved to the rules' layout instead of an XLA error."""
+    _, _, step = run
+    batch = make_batch()
+    on_one = jax.device_put(batch, jax.devices()[3])
+    as_numpy = jax.tree.map(np.asarray, batch)
+    losses = [float(step(step.init_state(), b)[1]["loss"]) for b in (batch, on_one, as_numpy)]
+    assert losses[0] == losses[1] == losses[2]
+
+
+def test_batch_entries_that_disagree_are_refused(run):
+    _, _, step = run
+    batch = make_batch()
+    batch["targets"] = batch["targets"][:8]
+    with pytest.raises(sk.ShardkitError, match=r"disagree on the number of examples: batch\['inputs'\] has 16"):
+        step(step.init_state(), batch)
+    with pytest.raises(sk.ShardkitError, match=r"batch\['extra'\] is int 3: every batch entry must be an array"):
+        step(step.init_state(), {**make_batch(), "extra": 3})
+
+
+def test_a_rule_naming_a_mesh_axis_that_does_not_exist_is_refused():
+    tp = sk.strategy("tp")
+    typo = tp.replace(name="tp_typo", compute_rules={**tp.compute_rules, "heads": "tensr"})
+    with pytest.raises(sk.ShardkitError, match=r"compute_rules\['heads'\] names mesh axis 'tensr'"):
+        typo.bind(sk.make_mesh("data=4,tensor=2"))
+    tp.bind(sk.make_mesh("tensor=8"))  # a known axis the mesh lacks (data) is still dropped
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("lr", -3e-3), ("lr", math.nan), ("lr", 0.0), ("grad_clip", -1.0), ("weight_decay", -0.1), ("b2", 1.0)],
+)
+def test_optimizer_settings_that_would_train_wrong_are_refused(key, value):
+    opt = base.get_config().optimizer
+    opt[key] = value
+    with pytest.raises(sk.ShardkitError, match=rf"optimizer.{key}={value} must be finite"):
+        tr.make_optimizer(opt, 100)
+
+
+def test_the_step_refuses_the_state_of_another_model(run):
+    """jit would retrace for the other shapes and silently train a model of another width."""
+    mesh, _, step = run
+    other = sk.make_train_step(
+        sk.sharded_init(lambda rngs: GPT(TINY.__class__(**{**TINY.__dict__, "d_model": 32}), rngs=rngs), mesh, "fsdp"),
+        optax.sgd(0.1),
+        mesh,
+        "fsdp",
+    )
+    message = r"\['blocks'\]\['attn_norm'\] is \(\(2, 32\), 'float32'\), the step's model has \(\(2, 64\)"
+    with pytest.raises(sk.ShardkitError, match=message):
+        step(other.init_state(), make_batch())
+    assert jnp.isfinite(step(step.init_state(), make_batch())[1]["loss"])
