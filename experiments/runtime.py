@@ -7,6 +7,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -85,3 +86,46 @@ def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: in
     timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=initialization_timeout_s)
     params = inspect.signature(jax.distributed.initialize).parameters
     jax.distributed.initialize(**kw, **{k: v for k, v in timeouts.items() if k in params})
+
+
+class RunLock:
+    """One trainer per run directory: an exclusive `flock` on `<run>/lock`, holding the owner's pid and host.
+
+    A second trainer on the same run (which would truncate the live run's metrics and delete its in-flight
+    checkpoint) gets a ShardkitError naming the owner. The kernel drops the lock when its process dies, however
+    it dies, so a lock left by a killed run is no obstacle: the next trainer takes it over (the file's old pid
+    is only information). Local file systems; on NFS flock may not reach across hosts.
+    """
+
+    def __init__(self, run_dir: Path | str):
+        self.path = Path(run_dir) / "lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        import fcntl
+        import socket
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            where = f"run directory {self.path.parent}: {e.strerror}"
+            raise sk.ShardkitError(f"{where}; choose a writable --config.run_dir") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise sk.ShardkitError(
+                f"run {self.path.parent} is being trained by {holder}: one trainer per run. Wait for it, stop it, "
+                "or give this run another --config.name"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock; the file stays (it is only information)
+            self._fd = None

@@ -259,11 +259,13 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     run = build(config)
     show_bar = main and config.progress and sys.stderr.isatty()
     say: Callable[[str], None] = (tqdm.write if show_bar else print) if main else (lambda _: None)
-    ckpt = Checkpointer(run.dir / "checkpoints", keep=config.keep, async_save=config.async_checkpointing)
-    try:
-        return _train(config, run, ckpt, say, show_bar, t_start)
-    finally:
-        ckpt.close()  # waits for an in-flight save: the last good checkpoint is committed
+    # one trainer per run, taken before the checkpointer (which clears unfinished saves) and the metrics file
+    with runtime.RunLock(run.dir) if main else contextlib.nullcontext():
+        ckpt = Checkpointer(run.dir / "checkpoints", keep=config.keep, async_save=config.async_checkpointing)
+        try:
+            return _train(config, run, ckpt, say, show_bar, t_start)
+        finally:
+            ckpt.close()  # waits for an in-flight save: the last good checkpoint is committed
 
 
 def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], None]) -> dict[str, Any]:

@@ -93,3 +93,23 @@ def test_the_step_refuses_the_state_of_another_model(run):
     with pytest.raises(sk.ShardkitError, match=message):
         step(other.init_state(), make_batch())
     assert jnp.isfinite(step(step.init_state(), make_batch())[1]["loss"])
+
+
+def test_one_trainer_per_run_directory(tmp_path):
+    """A second trainer on a live run is refused (naming the holder) before it touches the run's metrics or its
+    in-flight checkpoints; a lock file left by a killed run (its flock died with it) is taken over."""
+    from test_experiments import make_config
+
+    from experiments.runtime import RunLock
+
+    config = make_config(tmp_path, "locked", steps=2, eval_every=0, ckpt_every=0)
+    run_dir = tmp_path / "runs" / "locked"
+    (run_dir / "checkpoints" / "7.orbax-checkpoint-tmp").mkdir(parents=True)  # the live run's unfinished save
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {k}, "loss": 1.0}}\n' for k in range(1, 41)))
+    with RunLock(run_dir), pytest.raises(sk.ShardkitError, match=r"is being trained by pid \d+ on host .*: one"):
+        tr.train(config)
+    assert (run_dir / "checkpoints" / "7.orbax-checkpoint-tmp").is_dir()  # untouched
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 40
+    (run_dir / "lock").write_text("pid 999999 on host gone\n")  # stale: nobody holds the flock
+    assert tr.train(config)["step"] == 2
+    assert f"pid {__import__('os').getpid()}" in (run_dir / "lock").read_text()
