@@ -303,7 +303,15 @@ def _train(
     say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
     start = ckpt.latest_step()
     if start is not None:
-        state, meta = ckpt.restore(step.abstract_state())
+        with warnings.catch_warnings(record=True) as seen:  # a damaged newest step: set aside, an older one restored
+            warnings.simplefilter("always")
+            state, meta = ckpt.restore(step.abstract_state())
+        for w in seen:
+            if "is damaged" in str(w.message):
+                say(f"warning: {w.message}")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        start = int(state.step)
         say(f"resumed from step {start} (saved under {meta.get('where', '?')}) in {ckpt.directory}")
         if meta.get("seed", config.seed) != config.seed:
             say(f"warning: seed {config.seed} differs from the run's {meta['seed']}: the data order changes here")

@@ -11,6 +11,14 @@ process killed mid-save leaves just the temporary directory: ``latest_step`` ign
 on that directory deletes it, so a restart resumes from the previous complete step. Old steps are deleted only after
 a newer one has committed.
 
+Integrity: every save stores, in its JSON metadata, a checksum of each array (a position-weighted sum of its bits
+in uint32, computed where the array lives: integer wrap-around is exact, so the value does not depend on the
+sharding or the reduction order). `restore` recomputes them on what it read: a flipped bit, a truncated or
+garbled file, damaged metadata or an empty step folder make that step *damaged*. The latest step that is
+damaged is reported, moved aside to ``damaged/<step>`` (never deleted) and the newest intact step is restored;
+if none is intact the error lists what is wrong with each. A checkpoint whose readable metadata shows other
+shapes is not damaged but another model: that stays an error (no fallback).
+
 Resharding: the restore target is a tree of ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` such as
 ``TrainStep.abstract_state()``; every array is read straight into that layout, whatever mesh and strategy wrote it
 (``fsdp`` on ``fsdp=8`` -> ``tp`` on ``data=2,tensor=4``, or one device for sampling). Shapes must match.
@@ -20,6 +28,7 @@ Saving and restoring are collective: in a multi-process run every process calls 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -40,6 +49,33 @@ class NonFiniteError(FloatingPointError):
 def _all_finite(tree: Any) -> jax.Array:
     leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.stack(leaves).all() if leaves else jnp.array(True)
+
+
+@jax.jit
+def _checksums(tree: Any) -> Any:
+    """Per leaf: sum_i bits_i * (i * 2654435761 + 1) in uint32 (wrap-around), bits = the array as uint32 words."""
+
+    def one(x: jax.Array) -> jax.Array:
+        if x.dtype == jnp.bool_:
+            x = x.astype(jnp.uint8)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        width = x.dtype.itemsize
+        words = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width])
+        words = words.reshape(-1).astype(jnp.uint32)
+        weights = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+        return jnp.sum(words * weights, dtype=jnp.uint32)
+
+    return jax.tree.map(one, tree)
+
+
+def checksums(tree: Any) -> dict[str, int]:
+    """{leaf name: checksum} of a tree of arrays (see the module docstring)."""
+    sums = jax.device_get(_checksums(tree))
+    return {_leaf_name(p): int(v) for p, v in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+_CHECKSUMS = "_checksums"  # the key in the step's JSON metadata
 
 
 def all_finite(tree: Any) -> bool:
@@ -104,27 +140,74 @@ class Checkpointer:
                 f"refusing to checkpoint step {step}: the state holds NaN or Inf; "
                 f"the last good checkpoint is step {self.latest_step()} in {self.directory}"
             )
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta or {})))
+        meta = {**dict(meta or {}), _CHECKSUMS: checksums(state)}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         return bool(self._manager.save(step, args=args, force=True))
 
     # ------------------------------------------------------------------------------------------------ restore
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """(state, meta) of `step` (default: the latest), each array laid out by `target`'s shardings.
+        """(state, meta) of `step` (default: the newest intact one), each array laid out by `target`'s shardings.
 
-        `target` is a tree of ShapeDtypeStructs with shardings, e.g. `TrainStep.abstract_state()`.
+        `target` is a tree of ShapeDtypeStructs with shardings, e.g. `TrainStep.abstract_state()`. Without `step`,
+        a damaged newest step is moved aside to ``damaged/`` and the next older one tried (module docstring).
         """
         self._manager.wait_until_finished()
-        step = self.latest_step() if step is None else step
-        if step is None or step not in self._manager.all_steps():
-            have = ", ".join(map(str, self.steps())) or "none"
-            raise ShardkitError(f"no checkpoint {'' if step is None else step} in {self.directory} (steps: {have})")
-        self._check_fits(step, target)
+        if step is not None:
+            if step not in self._manager.all_steps():
+                have = ", ".join(map(str, self.steps())) or "none"
+                raise ShardkitError(f"no checkpoint {step} in {self.directory} (steps: {have})")
+            out, problem = self._restore_verified(step, target)
+            if problem:
+                raise ShardkitError(f"checkpoint step {step} in {self.directory} is damaged: {problem}")
+            return out
+        problems = []
+        for candidate in reversed(self.steps()):
+            out, problem = self._restore_verified(candidate, target)
+            if not problem:
+                if problems:
+                    warnings.warn(f"restored step {candidate}; " + "; ".join(problems), stacklevel=2)
+                return out
+            problems.append(f"step {candidate} is damaged ({problem}){self._set_aside(candidate)}")
+        if problems:
+            raise ShardkitError(f"no intact checkpoint in {self.directory}: " + "; ".join(problems))
+        raise ShardkitError(f"no checkpoint in {self.directory} (steps: none)")
+
+    def _restore_verified(self, step: int, target: Any) -> tuple[Any, str]:
+        """((state, meta), "") or (None, what is wrong); a shape mismatch is raised (another model, not damage)."""
+        known = self._check_fits(step, target)  # raises for other shapes
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         try:
             out = self._manager.restore(step, args=args)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ShardkitError(f"{self._misfit(step)}: {e}") from e
-        return out["state"], dict(out["meta"] or {})
+            state, meta = out["state"], dict(out["meta"] or {})
+        except Exception as e:  # tensorstore / orbax / JSON errors of an unreadable step
+            if known == "other names":  # metadata readable but not comparable: likely another model, not damage
+                raise ShardkitError(f"{self._misfit(step)}: {e}") from e
+            return None, f"unreadable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        want = meta.pop(_CHECKSUMS, None)
+        if want is None:
+            return (state, meta), ""  # written before checksums existed: nothing to verify
+        got = checksums(state)
+        bad = sorted(name for name in want if got.get(name) != want[name])
+        if bad:
+            return None, f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}{' ...' * (len(bad) > 3)}"
+        return (state, meta), ""
+
+    def _set_aside(self, step: int) -> str:
+        """Moves a damaged step directory to ``damaged/<step>[-n]`` (kept for inspection); says where."""
+        if self.read_only or "://" in self.directory or jax.process_count() > 1:  # others may still be reading it
+            return ""
+        src = os.path.join(self.directory, str(step))
+        dest = os.path.join(self.directory, "damaged", str(step))
+        n = 1
+        while os.path.exists(dest):
+            dest, n = os.path.join(self.directory, "damaged", f"{step}-{n}"), n + 1
+        try:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.replace(src, dest)
+        except OSError:
+            return ""
+        self._manager.reload()  # orbax forgets the step
+        return f", moved to {dest}"
 
     def _misfit(self, step: int) -> str:
         return (
@@ -132,28 +215,31 @@ class Checkpointer:
             "optimizer (shapes and tree structure must match; mesh and strategy may differ)"
         )
 
-    def _check_fits(self, step: int, target: Any) -> None:
-        """Compares leaf names and shapes with the checkpoint's metadata before orbax reads anything."""
+    def _check_fits(self, step: int, target: Any) -> str:
+        """Compares leaf names and shapes with the checkpoint's metadata before orbax reads anything: "fits",
+        "unreadable" (damaged metadata), "other names" (not comparable); ShardkitError for other shapes."""
         try:
             metadata = self._manager.item_metadata(step)["state"]
-        except Exception:  # no readable metadata: orbax's restore checks shapes itself
-            return
-        saved = {m.name: tuple(m.shape) for m in jax.tree.leaves(metadata) if hasattr(m, "name")}
+            saved = {m.name: tuple(m.shape) for m in jax.tree.leaves(metadata) if hasattr(m, "name")}
+        except Exception:  # no readable metadata: the step is damaged (or incomplete)
+            return "unreadable"
         want = {_leaf_name(p): tuple(t.shape) for p, t in jax.tree_util.tree_leaves_with_path(target)}
         if not saved.keys() & want.keys():  # another naming scheme: leave it to orbax
-            return
+            return "other names"
         bad = [f"{n}: saved {saved[n]}, target {s}" for n, s in want.items() if n in saved and saved[n] != s]
         bad += [f"{n}: missing from the checkpoint" for n in want.keys() - saved.keys()]
         bad += [f"{n}: only in the checkpoint" for n in saved.keys() - want.keys()]
         if bad:
             raise ShardkitError(f"{self._misfit(step)}; {'; '.join(sorted(bad)[:4])}{' ...' * (len(bad) > 4)}")
+        return "fits"
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """Only the JSON `meta` of `step` (default: the latest); {} if there is no checkpoint."""
         step = self.latest_step() if step is None else step
         if step is None:
             return {}
-        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {}
+        return {k: v for k, v in dict(meta).items() if k != _CHECKSUMS}
 
     # ------------------------------------------------------------------------------------------------ closing
     def wait(self) -> None:
@@ -185,4 +271,4 @@ def tmp_dirs(directory: str | os.PathLike[str]) -> list[str]:
         return []
 
 
-__all__ = ["TMP_MARKER", "Checkpointer", "NonFiniteError", "all_finite", "tmp_dirs"]
+__all__ = ["TMP_MARKER", "Checkpointer", "NonFiniteError", "all_finite", "checksums", "tmp_dirs"]

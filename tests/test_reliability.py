@@ -2,6 +2,7 @@
 items 1, 4 and 7; the rest of that issue is still open)."""
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -113,3 +114,88 @@ def test_one_trainer_per_run_directory(tmp_path):
     (run_dir / "lock").write_text("pid 999999 on host gone\n")  # stale: nobody holds the flock
     assert tr.train(config)["step"] == 2
     assert f"pid {__import__('os').getpid()}" in (run_dir / "lock").read_text()
+
+
+# ------------------------------------------------------------------------------------------ damaged checkpoints
+def _files(step_dir):
+    return sorted((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.fixture
+def saved(tmp_path, run):
+    """Steps 1 and 2 of a tiny GPT under fsdp, checkpointed; returns (directory, step, state 1, state 2)."""
+    _, _, step = run
+    s1, _ = step(step.init_state(), make_batch())
+    s2, _ = step(jax.tree.map(jnp.copy, s1), make_batch())
+    with sk.Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(s1)
+        ckpt.save(s2)
+    return tmp_path / "ckpt", step, s1, s2
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "metadata"])
+def test_a_damaged_latest_step_is_set_aside_and_the_previous_one_restored(saved, damage):
+    directory, step, s1, _ = saved
+    files = _files(directory / "2" / "state")
+    if damage == "flip":  # every array file: wherever the flipped bit lands, the checksums or the reader see it
+        for f in files:
+            if "metadata" not in f.name.lower() and f.stat().st_size > 64:
+                _flip_a_byte(f)
+    elif damage == "truncate":
+        biggest = files[-1]
+        biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])
+    else:
+        for f in files:
+            if "metadata" in f.name.lower():
+                f.write_text("{not json")
+    with sk.Checkpointer(directory) as ckpt, pytest.warns(UserWarning, match=r"restored step 1; step 2 is damaged"):
+        restored, _ = ckpt.restore(step.abstract_state())
+        assert ckpt.steps() == [1]
+    assert int(restored.step) == int(s1.step)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.params),
+                 jax.tree.map(np.asarray, s1.params))  # fmt: skip
+    assert (directory / "damaged" / "2").is_dir(), "the damaged step must be kept, not deleted"
+
+
+def test_no_intact_step_is_an_error_listing_each_and_an_asked_for_damaged_step_is_refused(saved):
+    directory, step, _, _ = saved
+    for k in ("1", "2"):
+        biggest = _files(directory / k / "state")[-1]
+        biggest.write_bytes(b"")
+    with sk.Checkpointer(directory) as ckpt, pytest.raises(sk.ShardkitError, match=r"step 1 in .* is damaged: unread"):
+        ckpt.restore(step.abstract_state(), step=1)
+    with (
+        sk.Checkpointer(directory) as ckpt,
+        pytest.raises(sk.ShardkitError, match=r"no intact checkpoint in .*step 2 is damaged .*step 1 is damaged"),
+    ):
+        ckpt.restore(step.abstract_state())
+
+
+def test_an_empty_step_folder_is_not_a_checkpoint(saved):
+    directory, step, _, s2 = saved
+    (directory / "3").mkdir()
+    with sk.Checkpointer(directory) as ckpt:
+        restored, _ = ckpt.restore(step.abstract_state())
+    assert int(restored.step) == int(s2.step)
+
+
+def test_a_run_whose_latest_checkpoint_is_damaged_resumes_from_the_one_before(tmp_path):
+    from test_experiments import make_config, metrics
+
+    config = make_config(tmp_path, "damaged", steps=4, eval_every=0, ckpt_every=2, async_checkpointing=False)
+    first = tr.train(config)
+    want = metrics(first["run_dir"])
+    step4 = Path(first["run_dir"]) / "checkpoints" / "4" / "state"
+    biggest = _files(step4)[-1]
+    biggest.write_bytes(biggest.read_bytes()[:10])
+    again = tr.train(config)
+    assert (again["start_step"], again["step"]) == (2, 4)
+    got = metrics(first["run_dir"])
+    np.testing.assert_allclose([got[k]["loss"] for k in (3, 4)], [want[k]["loss"] for k in (3, 4)], rtol=1e-6)
+    assert (Path(first["run_dir"]) / "checkpoints" / "damaged" / "4").is_dir()
