@@ -124,9 +124,12 @@ class Run:
 
 def build(config: ml_collections.ConfigDict) -> Run:
     """Validates the config against the devices and data (ShardkitError with the fix) and builds the train step."""
-    for key in ("steps", "batch_size", "seq_len", "microbatches", "keep", "eval_batches"):
+    for key in ("steps", "batch_size", "seq_len", "microbatches", "keep", "eval_batches", "log_every"):
         if key in config and config[key] < 1:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
+    for key in ("eval_every", "ckpt_every", "seed"):  # 0: only at the end (intervals)
+        if key in config and config[key] < 0:
+            raise sk.ShardkitError(f"{key}={config[key]} must be >= 0")
     strategy = sk.strategy(config.strategy)
     if strategy.layers.startswith("pipeline") and config.get("pipeline"):  # schedule / microbatches flags
         pp = config.pipeline

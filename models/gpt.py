@@ -40,6 +40,17 @@ class GPTConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+            if int(getattr(self, name)) < 1:
+                raise sk.ShardkitError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("dtype", "param_dtype"):
+            try:
+                ok = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                what = f"{name}={getattr(self, name)!r}"
+                raise sk.ShardkitError(f"{what}: give a float dtype, e.g. 'float32' or 'bfloat16'")
         if self.num_heads % self.num_kv_heads:
             raise sk.ShardkitError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:

@@ -2,6 +2,7 @@
 items 1, 4 and 7; the rest of that issue is still open)."""
 
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -199,3 +200,16 @@ def test_a_run_whose_latest_checkpoint_is_damaged_resumes_from_the_one_before(tm
     got = metrics(first["run_dir"])
     np.testing.assert_allclose([got[k]["loss"] for k in (3, 4)], [want[k]["loss"] for k in (3, 4)], rtol=1e-6)
     assert (Path(first["run_dir"]) / "checkpoints" / "damaged" / "4").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"log_every": 0}, "log_every=0 must be >= 1"), ({"ckpt_every": -1}, "ckpt_every=-1 must be >= 0"),
+     ({"seed": -3}, "seed=-3 must be >= 0"), ({"model.num_layers": 0}, "num_layers=0 must be >= 1"),
+     ({"model.num_heads": 0}, "num_heads=0 must be >= 1"), ({"model.dtype": "float3"}, "dtype='float3': give a float")],
+)  # fmt: skip
+def test_config_values_that_crashed_mid_run_are_refused_up_front(tmp_path, overrides, message):
+    from test_experiments import make_config
+
+    with pytest.raises(sk.ShardkitError, match=re.escape(message)):
+        tr.build(make_config(tmp_path, "bad", **overrides))
