@@ -147,6 +147,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
     if isinstance(task, ImageTask):  # the validation batches too (evaluate checks them like training batches)
         step.check_batch(task.batch_spec(size=task.val_batch_size), microbatches=1)
     name = config.name or f"{config.config_name}-{config.strategy}"
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise sk.ShardkitError(f"name={name!r}: a run name is one folder name under run_dir (no '/', no '..')")
     return Run(mesh, task, step, schedule, Path(config.run_dir).expanduser() / name, preset)
 
 

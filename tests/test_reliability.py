@@ -213,3 +213,11 @@ def test_config_values_that_crashed_mid_run_are_refused_up_front(tmp_path, overr
 
     with pytest.raises(sk.ShardkitError, match=re.escape(message)):
         tr.build(make_config(tmp_path, "bad", **overrides))
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", ".."])
+def test_a_run_name_cannot_escape_the_runs_folder(tmp_path, name):
+    from test_experiments import make_config
+
+    with pytest.raises(sk.ShardkitError, match=r"a run name is one folder name under run_dir"):
+        tr.build(make_config(tmp_path, name))
