@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 import shardkit as sk
 from experiments import data, runtime  # noqa: F401  (tests patch experiments.train.data)
+from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
 from experiments.tasks import ImageTask, LMTask, build_task, model_config  # noqa: F401  (explain uses model_config)
 from shardkit.checkpoint import Checkpointer, NonFiniteError
@@ -66,40 +67,6 @@ _PID = flags.DEFINE_integer("process_id", -1, "this process's index (sets JAX_PR
 
 
 # ------------------------------------------------------------------------------------------------------ building
-def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup + cosine decay to lr * min_lr_ratio, global-norm clipping, no decay on norms.
-
-    optimizer.warmup_steps < 0 (the default) = min(30, schedule length // 10), the schedule length being
-    optimizer.decay_steps or steps."""
-    if opt.name != "adamw":
-        raise sk.ShardkitError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
-    checks = {
-        "lr": opt.lr > 0,
-        "grad_clip": opt.grad_clip >= 0,
-        "weight_decay": opt.weight_decay >= 0,
-        "eps": opt.eps >= 0,
-        "b1": 0 <= opt.b1 < 1,
-        "b2": 0 <= opt.b2 < 1,
-        "min_lr_ratio": opt.min_lr_ratio >= 0,
-    }
-    for key, ok in checks.items():  # NaN fails every comparison: refused too
-        if not ok or not math.isfinite(opt[key]):
-            want = {"lr": "> 0", "eps": ">= 0", "b1": "in [0, 1)", "b2": "in [0, 1)"}.get(key, ">= 0 (0 = off)")
-            raise sk.ShardkitError(f"optimizer.{key}={opt[key]} must be finite and {want} (a negative learning "
-                                   "rate or clip norm would train uphill)")  # fmt: skip
-    decay = opt.decay_steps or steps
-    warmup = opt.warmup_steps if opt.warmup_steps >= 0 else min(30, decay // 10)
-    if not warmup < decay:
-        raise sk.ShardkitError(
-            f"optimizer.warmup_steps={warmup} must be < {decay} (the schedule length: optimizer.decay_steps or "
-            f"steps); set --config.optimizer.warmup_steps={decay // 10}, or -1 for min(30, {decay} // 10)"
-        )
-    schedule = optax.warmup_cosine_decay_schedule(0.0, opt.lr, warmup, decay, opt.lr * opt.min_lr_ratio)
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, _: "norm" not in jax.tree_util.keystr(path), params
-    )
-    adamw = optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decay_mask)
-    return (optax.chain(optax.clip_by_global_norm(opt.grad_clip), adamw) if opt.grad_clip else adamw), schedule
 
 
 def _mb(n: float) -> str:

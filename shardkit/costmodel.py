@@ -226,7 +226,7 @@ def plan(
     if hook is None:
         raise ShardkitError(
             f"plan: {type(model_cfg).__name__} has no cost_model(strategy, mesh, batch_shapes, nbytes, backend) "
-            "hook; give a model config that has one (models/gpt.py's GPTConfig does)"
+            "hook; give a model config that has one (the GPT's in models/ does)"
         )
     indivisible = getattr(model_cfg, "indivisible", lambda *_: "")
     if devices < 1 or devices & (devices - 1):
