@@ -1,5 +1,7 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
+import sys as _sys
+
 from shardkit import attention, checkpoint, collectives, costmodel, kernels, layers, train
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
@@ -18,6 +20,11 @@ from shardkit.parallel import pipeline, tensor3d
 from shardkit.rules import constrain, logical_to_spec, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.train import TrainState, TrainStep, make_train_step
+
+# The explain module was shardkit/inspect.py, which shadowed the standard library's `inspect` for scripts run from
+# inside the package; the old import path still works, without a file of that name.
+inspect = _sys.modules["shardkit.explain"]
+_sys.modules.setdefault("shardkit.inspect", inspect)
 
 __all__ = [
     "STRATEGIES",
