@@ -106,7 +106,8 @@ class TrainStep:
         self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh)
         self.model_state_shardings = state_shardings(rest, rules, mesh, require=False)
         self._rest = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
-        self._param_specs = _param_specs(nnx.to_pure_dict(params))
+        leaves, self._param_treedef = jax.tree.flatten(nnx.to_pure_dict(params))
+        self._param_leaf_specs = [(tuple(x.shape), x.dtype) for x in leaves]
         self._keys = jax.tree.map(is_key, self._rest)  # which model-state leaves are PRNG keys
         abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -124,6 +125,7 @@ class TrainStep:
         self._replicated, self._donate = replicated, donate
         self._jitted: dict[Any, Any] = {}  # per batch structure: jit needs the batch's shardings up front
         self._evals: dict[Any, Any] = {}
+        self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
 
     @staticmethod
     def _default_loss(model: nnx.Module) -> LossFn:
@@ -133,7 +135,7 @@ class TrainStep:
                 f"{type(model).__name__} has no loss(batch) method: pass loss_fn=lambda model, batch: scalar "
                 "(or (scalar, {'metric': value})) to make_train_step"
             )
-        return lambda m, batch: method(m, batch)
+        return method  # GPT.loss(model, batch)
 
     @property
     def has_model_state(self) -> bool:
@@ -208,10 +210,19 @@ class TrainStep:
         m = self.microbatches if microbatches is None else microbatches
         batching.check(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh, m)
 
-    def _jit(self, batch: Batch) -> Any:
-        key = jax.tree.structure(batch)
+    def _prepared(self, batch: Batch, microbatches: int | None = None) -> tuple[Any, Any]:
+        """(jit key, shardings) of a checked batch; the check runs once per batch signature, not every step."""
+        m = self.microbatches if microbatches is None else microbatches
+        leaves, treedef = jax.tree.flatten(batch)
+        shapes = tuple(tuple(getattr(x, "shape", ())) for x in leaves)
+        if (treedef, shapes, m) not in self._checked:
+            self.check_batch(batch, m)
+            self._checked[treedef, shapes, m] = self.batch_shardings(batch)
+        return (treedef, tuple(map(len, shapes))), self._checked[treedef, shapes, m]
+
+    def _jit(self, key: Any, shardings: Any) -> Any:
+        """The step (and its evaluation) compiled for one batch structure and leaf ranks, with their shardings."""
         if key not in self._jitted:
-            shardings = self.batch_shardings(batch)
             self._jitted[key] = jax.jit(
                 self._step,
                 in_shardings=(self.state_shardings, shardings),
@@ -227,30 +238,30 @@ class TrainStep:
         if self._donate:
             _check_alive(state, "this TrainState")
         self._check_state(state)
-        self.check_batch(batch)
-        jitted = self._jit(batch)
-        return jitted(state, self._place(batch))
+        key, shardings = self._prepared(batch)
+        return self._jit(key, shardings)(state, batching.place(batch, shardings))
 
     def _check_state(self, state: TrainState) -> None:
         """The state is this step's model's: for other shapes jit would retrace and train another model."""
-        got = _param_specs(state.params)
-        if got != self._param_specs:
-            diff = next(
-                (f"{k} is {got.get(k, 'missing')}, the step's model has {v}"
-                 for k, v in self._param_specs.items() if got.get(k) != v),
-                f"it has parameters the model lacks: {sorted(set(got) - set(self._param_specs))}",
-            )  # fmt: skip
+        leaves, treedef = jax.tree.flatten(state.params)
+        if treedef == self._param_treedef and all(
+            x.shape == s and x.dtype == d for x, (s, d) in zip(leaves, self._param_leaf_specs, strict=True)
+        ):
+            return
+        expected = [jax.ShapeDtypeStruct(*spec) for spec in self._param_leaf_specs]
+        want, got = _param_specs(jax.tree.unflatten(self._param_treedef, expected)), _param_specs(state.params)
+        if got != want:
+            bad = [
+                f"{k} is {got.get(k, 'missing')}, the step's model has {w}" for k, w in want.items() if got.get(k) != w
+            ]
+            diff = bad[0] if bad else f"it has parameters the model lacks: {sorted(set(got) - set(want))}"
             raise ShardkitError(
                 f"this TrainState's parameters are not this step's model's: {diff}. Build the state with "
                 "step.init_state(), or restore a checkpoint onto step.abstract_state()"
             )
 
-    def _place(self, batch: Batch) -> Batch:
-        return batching.place(batch, self.batch_shardings(batch))
-
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
-        self.check_batch(batch)
-        return self._jit(batch).lower(state, batch)
+        return self._jit(*self._prepared(batch)).lower(state, batch)
 
     def eval_loss(self, params: dict[str, Any] | TrainState, batch: Batch) -> jax.Array:
         """The loss in evaluation mode (`model.eval()`: running BatchNorm statistics, no dropout)."""
@@ -264,9 +275,9 @@ class TrainStep:
                 raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
             model_state = self._unwrap(self._rest)
         _check_alive((params, model_state), "this state")
-        self.check_batch(batch, microbatches=1)  # evaluation takes the batch whole
-        self._jit(batch)
-        return self._evals[jax.tree.structure(batch)](params, model_state, self._place(batch))
+        key, shardings = self._prepared(batch, microbatches=1)  # evaluation takes the batch whole
+        self._jit(key, shardings)
+        return self._evals[key](params, model_state, batching.place(batch, shardings))
 
     # ------------------------------------------------------------------------------------------- the step
     @contextlib.contextmanager
