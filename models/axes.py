@@ -8,6 +8,10 @@ HEADS     query heads; KV_HEADS key/value heads (grouped-query attention); HEAD_
 MLP       hidden width of the feed-forward block
 VOCAB     token vocabulary
 LAYERS    the stacked-blocks dimension (scanned over; the pipeline splits it into stages)
+
+Images and volumes (models/resnet.py, models/cosmoflow.py, models/unet3d.py):
+HEIGHT, WIDTH  an image's / a volume's spatial dimensions; DEPTH a volume's third (slowest) one
+CHANNELS  feature channels (a conv kernel's output channels); CLASSES a classifier's outputs
 """
 
 BATCH = "batch"
@@ -20,3 +24,11 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 VOCAB = "vocab"
 LAYERS = "layers"
+
+DEPTH = "depth"
+HEIGHT = "height"
+WIDTH = "width"
+CHANNELS = "channels"
+CLASSES = "classes"
+#: An activation of a 3D CNN: [batch, depth, height, width, channels].
+VOLUME = (BATCH, DEPTH, HEIGHT, WIDTH, CHANNELS)

@@ -16,7 +16,7 @@ from shardkit.init import (
     state_logical_axes,
 )
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
-from shardkit.parallel import pipeline, tensor3d
+from shardkit.parallel import pipeline, spatial, tensor3d
 from shardkit.rules import constrain, logical_to_spec, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.train import TrainState, TrainStep, make_train_step
@@ -58,6 +58,7 @@ __all__ = [
     "plan",
     "register_strategy",
     "sharded_init",
+    "spatial",
     "state_logical_axes",
     "strategy",
     "tensor3d",

@@ -11,7 +11,8 @@ kernel table names another `layers` kernel (e.g. a pipeline schedule) gets the s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -57,3 +58,121 @@ def apply_stack(block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat
         raise ShardkitError(f"remat={remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
     kernel, _, ctx = kernels.active("layers")
     return kernel.fn(block_fn, stacked, x, *args, remat=remat, context=ctx)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Convolution and pooling slots (3D CNNs). A model builds Flax's own conv layer with the slot's function,
+#
+#     nnx.Conv(c_in, c_out, (3, 3, 3), conv_general_dilated=sk.layers.conv_fn(VOLUME, name="block1.conv"), ...)
+#     y = sk.layers.pool(x, (2, 2, 2), axes=VOLUME, name="block1.pool")
+#
+# with `VOLUME = ("batch", "depth", "height", "width", "channels")` the activation's logical names, and the
+# strategy's `kernels` table picks the implementation: "xla" (default: one `lax` op, sharded by GSPMD from the
+# rules, which inserts the halos itself) or "halo" (shardkit/parallel/spatial.py: explicit ppermute halo exchange).
+# Both check the split against the same constraints first, so a bad split is an error naming the layer.
+DEFAULTS = kernels.DEFAULTS
+DEFAULTS.setdefault("conv", "xla")
+DEFAULTS.setdefault("pool", "xla")
+
+
+def _split_plan(x: jax.Array, window: Any, strides: Any, dilation: Any, padding: Any, axes: Any, name: str,
+                context: Any, op: str) -> Any:  # fmt: skip
+    """Checks the GSPMD split of a conv / pool like the halo kernel's (shardkit/parallel/spatial.py)."""
+    from shardkit.parallel import spatial
+
+    if context is None:
+        return None
+    spatial_axes = tuple(_single(context, a) for a in axes[1:-1])
+    if not any(spatial_axes):
+        return None
+    return spatial.plan_layer(name, x.shape, window, strides, dilation, padding, spatial_axes, context.mesh, op=op)
+
+
+def _single(context: Any, logical: str | None) -> str | None:
+    """The one mesh axis a spatial name maps to (None if none; a split over several is left to GSPMD)."""
+    axes = [a for a in (context.rules.get(logical) or ()) if a in context.mesh.shape] if logical else []
+    return axes[0] if len(axes) == 1 else None
+
+
+def xla_conv_kernel(x: jax.Array, w: jax.Array, *, strides: Any, padding: Any, rhs_dilation: Any,
+                    feature_group_count: int, precision: Any, axes: Any, name: str, context: Any,
+                    **more: Any) -> jax.Array:  # fmt: skip
+    """The conv as one `lax.conv_general_dilated`; GSPMD partitions it (and inserts halos) from the rules."""
+    nsp = x.ndim - 2
+    _split_plan(x, w.shape[:nsp], strides, rhs_dilation or 1, padding, axes, name, context, "conv")
+    spatial = "DHW"[3 - nsp :]
+    return jax.lax.conv_general_dilated(
+        x, w, strides, padding, rhs_dilation=rhs_dilation, dimension_numbers=(f"N{spatial}C", f"{spatial}IO",
+        f"N{spatial}C"), feature_group_count=feature_group_count, precision=precision, **more,
+    )  # fmt: skip
+
+
+def xla_pool_kernel(x: jax.Array, *, window: Any, strides: Any, padding: Any, reduce: str, axes: Any, name: str,
+                    context: Any) -> jax.Array:  # fmt: skip
+    """Pooling as one `lax.reduce_window`, partitioned by GSPMD. Refuses a *max* pool with overlapping windows on
+    a split dimension: XLA:CPU computes its gradient wrong under GSPMD (JAX_NOTES); the halo kernel is exact."""
+    from shardkit.parallel import spatial
+
+    plan = _split_plan(x, window, strides, 1, padding, axes, name, context, f"{reduce} pool")
+    if plan is not None and reduce == "max":
+        bad = [d for d, (n, k, s) in enumerate(zip(plan.degrees, plan.window, plan.strides, strict=True))
+               if n > 1 and k > s]  # fmt: skip
+        if bad:
+            raise ShardkitError(
+                f"{name}: a max pool with overlapping windows (window {plan.window}, stride {plan.strides}) on split "
+                f"spatial dim {bad[0]}: GSPMD's gradient of it is wrong on XLA:CPU (jax 0.10); use the halo kernel "
+                "(kernels={'conv': 'halo', 'pool': 'halo'}) or non-overlapping windows"
+            )
+    pads = spatial.resolve_padding(padding, x.shape[1:-1], window, strides, (1,) * len(window))
+    return spatial._reduce_window(x, window, strides, pads, reduce)
+
+
+kernels.register("conv", "xla", xla_conv_kernel, description="one lax conv, partitioned by GSPMD")
+kernels.register("pool", "xla", xla_pool_kernel, description="one lax.reduce_window, partitioned by GSPMD")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvFn:
+    """A drop-in for `lax.conv_general_dilated` (Flax's `nnx.Conv(conv_general_dilated=...)`) that runs the conv
+    slot's kernel; `axes` are the logical names of the input `[batch, *spatial, channels]`, `name` the layer's."""
+
+    axes: tuple[str | None, ...]
+    name: str = "conv"
+
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, window_strides: Any, padding: Any, lhs_dilation: Any = None,
+                 rhs_dilation: Any = None, dimension_numbers: Any = None, feature_group_count: int = 1,
+                 batch_group_count: int = 1, precision: Any = None,
+                 preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:  # fmt: skip
+        if any(d != 1 for d in (lhs_dilation or ())) or batch_group_count != 1:
+            raise ShardkitError(f"{self.name}: input dilation / batch groups are not supported by the conv slot")
+        if len(self.axes) != lhs.ndim:
+            raise ShardkitError(
+                f"{self.name}: {len(self.axes)} logical names {self.axes} for an input of shape {lhs.shape}"
+            )
+        kernel, _, ctx = kernels.active("conv")
+        more = {} if preferred_element_type is None else {"preferred_element_type": preferred_element_type}
+        if out_sharding is not None:  # Flax's eager-sharding path; the kernels place their outputs themselves
+            more["out_sharding"] = out_sharding
+        return kernel.fn(lhs, rhs, strides=tuple(window_strides), padding=padding,
+                         rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+                         feature_group_count=feature_group_count, precision=precision, axes=self.axes, name=self.name,
+                         context=ctx, **more)  # fmt: skip
+
+
+def conv_fn(axes: Sequence[str | None], name: str = "conv") -> ConvFn:
+    """`nnx.Conv(..., conv_general_dilated=conv_fn(axes, name))`: the layer's conv runs the strategy's conv kernel."""
+    return ConvFn(tuple(axes), name)
+
+
+def pool(x: jax.Array, window: Sequence[int], strides: Sequence[int] | None = None, padding: Any = "VALID",
+         reduce: str = "max", *, axes: Sequence[str | None], name: str = "pool") -> jax.Array:  # fmt: skip
+    """[B, *S, C] -> [B, *S/stride, C] max / mean pooling by the strategy's pool kernel (strides default: window)."""
+    if reduce not in ("max", "mean"):
+        raise ShardkitError(f"{name}: reduce={reduce!r}; use 'max' or 'mean'")
+    if len(axes) != x.ndim:
+        raise ShardkitError(f"{name}: {len(axes)} logical names {tuple(axes)} for an input of shape {x.shape}")
+    window = tuple(window)
+    strides = window if strides is None else tuple(strides)
+    kernel, _, ctx = kernels.active("pool")
+    return kernel.fn(x, window=window, strides=strides, padding=padding, reduce=reduce, axes=tuple(axes), name=name,
+                     context=ctx)  # fmt: skip

@@ -25,7 +25,22 @@ from jax.sharding import AxisType, Mesh
 from shardkit.errors import ShardkitError
 
 #: Mesh axis names shardkit knows. Strategies map logical names onto these; anything else is a typo.
-KNOWN_AXES = ("data", "fsdp", "tensor", "seq", "seq_u", "seq_r", "stage", "expert", "row", "col", "depth")
+KNOWN_AXES = (
+    "data",
+    "fsdp",
+    "tensor",
+    "seq",
+    "seq_u",
+    "seq_r",
+    "stage",
+    "expert",
+    "space",
+    "space_h",
+    "space_w",
+    "row",
+    "col",
+    "depth",
+)
 
 
 @dataclasses.dataclass(frozen=True)

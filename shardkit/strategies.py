@@ -268,6 +268,33 @@ register_strategy(
 )
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Spatial + data parallelism for 3D CNNs (Oyama et al. 2007.12856; shardkit/parallel/spatial.py): each sample's
+# depth / height / width over space / space_h / space_w (whichever the mesh has), the batch over data; weights
+# replicated, their gradients all-reduced over every axis. "xla": GSPMD partitions the convs and inserts the
+# halos; "halo": the explicit ppermute halo-exchange kernels fill the conv and pool slots.
+_SPATIAL = {"depth": "space", "height": "space_h", "width": "space_w"}
+for _name, _required, _kernel, _what in (
+    ("spatial", ("space",), "xla", "GSPMD inserts the halos"),
+    ("spatial_dp", ("data", "space"), "xla", "GSPMD inserts the halos"),
+    ("spatial_halo", ("space",), "halo", "explicit ppermute halo exchange per conv / pool"),
+    ("spatial_dp_halo", ("data", "space"), "halo", "explicit ppermute halo exchange per conv / pool"),
+):
+    register_strategy(
+        Strategy(
+            _name,
+            _rules(),
+            _rules(batch="data", **_SPATIAL),
+            required_axes=_required,
+            kernels={"conv": _kernel, "pool": _kernel},
+            description=f"3D CNNs: each sample split over depth / height / width (space, space_h, space_w), batch "
+            f"over data; {_what}",
+            collectives="per conv: halo collective-permutes over each split axis (fwd and bwd); one all-reduce of "
+            "the weight gradient over data x space axes",
+        )
+    )
+
+
 def strategy(name: str | Strategy) -> Strategy:
     """The registered strategy `name` (a Strategy passes through)."""
     if isinstance(name, Strategy):
