@@ -29,24 +29,26 @@ def names(split: bool = True) -> tuple[str | None, ...]:
 
 def conv3d(
     c_in: int, c_out: int, kernel: int, *, name: str, split: bool = True, stride: int = 1, use_bias: bool = True,
-    dtype: str = "float32", init: Any = None, rngs: nnx.Rngs,
+    dtype: str = "float32", param_dtype: str = "float32", init: Any = None, rngs: nnx.Rngs,
 ) -> nnx.Conv:  # fmt: skip
     """A "SAME" 3D conv `[B, D, H, W, c_in] -> [B, D/s, H/s, W/s, c_out]` whose kernel is named by its output
     channels, `(None, None, None, None, channels)`, and whose conv runs the strategy's `conv` kernel."""
     init = init or nnx.initializers.variance_scaling(2.0, "fan_in", "truncated_normal")
     return nnx.Conv(
         c_in, c_out, (kernel,) * 3, (stride,) * 3, padding="SAME", use_bias=use_bias, dtype=jnp.dtype(dtype),
-        kernel_init=nnx.with_partitioning(init, (None, None, None, None, CHANNELS)),
+        param_dtype=jnp.dtype(param_dtype), kernel_init=nnx.with_partitioning(init, (None, None, None, None, CHANNELS)),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (CHANNELS,)),
         conv_general_dilated=sk.layers.conv_fn(names(split), name=name), rngs=rngs,
     )  # fmt: skip
 
 
-def batch_norm(c: int, *, momentum: float = 0.9, dtype: str = "float32", rngs: nnx.Rngs) -> nnx.BatchNorm:
+def batch_norm(
+    c: int, *, momentum: float = 0.9, dtype: str = "float32", param_dtype: str = "float32", rngs: nnx.Rngs
+) -> nnx.BatchNorm:
     """BatchNorm over (batch, depth, height, width) per channel. Under any strategy its statistics are those of
     the whole global batch (the single-device computation): the reductions run on the global array."""
     return nnx.BatchNorm(
-        c, momentum=momentum, dtype=jnp.dtype(dtype),
+        c, momentum=momentum, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype),
         scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), (CHANNELS,)),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (CHANNELS,)), rngs=rngs,
     )  # fmt: skip

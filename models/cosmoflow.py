@@ -45,7 +45,8 @@ class CosmoFlowConfig:
     leaky_slope: float = 0.3  # LeakyReLU's negative slope (LBANN / MLPerf CosmoFlow)
     batch_norm: bool = False  # BatchNorm after each conv (the MLPerf reference has none)
     spatial_blocks: int | None = None  # leading conv blocks split spatially (None: all)
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"  # parameters and BatchNorm statistics
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
@@ -60,13 +61,16 @@ class CosmoFlowConfig:
         if self.spatial_blocks is not None and not 0 <= self.spatial_blocks <= len(self.widths):
             raise sk.ShardkitError(f"spatial_blocks={self.spatial_blocks}: between 0 and {len(self.widths)}")
 
+    def dtypes(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "param_dtype": self.param_dtype}
+
     def split(self, block: int) -> bool:
         return self.spatial_blocks is None or block < self.spatial_blocks
 
     def num_params_total(self) -> int:
         n, c = 0, self.in_channels
         for w in self.widths:
-            n += 27 * c * w + w + (2 * w if self.batch_norm else 0)
+            n += 27 * c * w + (2 * w if self.batch_norm else w)  # BatchNorm scale + shift, or a bias
             c = w
         f = c * (self.size // 2 ** len(self.widths)) ** 3
         for h in (*self.dense, self.num_params):
@@ -95,15 +99,20 @@ class CosmoFlow(nnx.Module):
         self.cfg = cfg
         convs, norms, c = [], [], cfg.in_channels
         for i, w in enumerate(cfg.widths):
-            convs.append(conv3d.conv3d(c, w, 3, name=f"conv{i}", split=cfg.split(i), dtype=cfg.dtype, rngs=rngs))
-            norms.append(conv3d.batch_norm(w, dtype=cfg.dtype, rngs=rngs) if cfg.batch_norm else None)
+            convs.append(
+                conv3d.conv3d(
+                    c, w, 3, name=f"conv{i}", split=cfg.split(i), use_bias=not cfg.batch_norm, **cfg.dtypes(), rngs=rngs
+                )
+            )  # fmt: skip  (BatchNorm's shift replaces a bias)
+            norms.append(conv3d.batch_norm(w, **cfg.dtypes(), rngs=rngs) if cfg.batch_norm else None)
             c = w
         self.convs, self.norms = nnx.List(convs), nnx.List(norms)
         f = c * (cfg.size // 2 ** len(cfg.widths)) ** 3
         dense = []
         for h in (*cfg.dense, cfg.num_params):
             dense.append(
-                nnx.Linear(f, h, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (CHANNELS, None)),
+                nnx.Linear(f, h, param_dtype=jnp.dtype(cfg.param_dtype),
+                           kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (CHANNELS, None)),
                            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (None,)), rngs=rngs)
             )  # fmt: skip
             f = h

@@ -33,12 +33,16 @@ class UNet3DConfig:
     in_channels: int = 1
     num_classes: int = 3
     bn_momentum: float = 0.9
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"  # parameters and BatchNorm statistics
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
         if len(self.widths) < 2 or min(self.widths) < 1:
             raise sk.ShardkitError(f"widths={self.widths}: at least two levels (one pooling), widths >= 1")
+
+    def dtypes(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "param_dtype": self.param_dtype}
 
     def min_size(self) -> int:
         """The input extent must be divisible by this (one halving per pooling)."""
@@ -49,10 +53,11 @@ class _Pair(nnx.Module):
     """[conv3d -> BatchNorm -> ReLU] x 2."""
 
     def __init__(self, cfg: UNet3DConfig, c_in: int, c_out: int, name: str, *, rngs: nnx.Rngs):
-        self.conv1 = conv3d.conv3d(c_in, c_out, 3, name=f"{name}.conv1", use_bias=False, dtype=cfg.dtype, rngs=rngs)
-        self.norm1 = conv3d.batch_norm(c_out, momentum=cfg.bn_momentum, dtype=cfg.dtype, rngs=rngs)
-        self.conv2 = conv3d.conv3d(c_out, c_out, 3, name=f"{name}.conv2", use_bias=False, dtype=cfg.dtype, rngs=rngs)
-        self.norm2 = conv3d.batch_norm(c_out, momentum=cfg.bn_momentum, dtype=cfg.dtype, rngs=rngs)
+        dt, m = cfg.dtypes(), cfg.bn_momentum
+        self.conv1 = conv3d.conv3d(c_in, c_out, 3, name=f"{name}.conv1", use_bias=False, **dt, rngs=rngs)
+        self.norm1 = conv3d.batch_norm(c_out, momentum=m, **dt, rngs=rngs)
+        self.conv2 = conv3d.conv3d(c_out, c_out, 3, name=f"{name}.conv2", use_bias=False, **dt, rngs=rngs)
+        self.norm2 = conv3d.batch_norm(c_out, momentum=m, **dt, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nnx.relu(self.norm1(self.conv1(x)))
@@ -73,10 +78,10 @@ class UNet3D(nnx.Module):
         self.bottom = _Pair(cfg, w[-2], w[-1], "bottom", rngs=rngs)
         ups, pairs = [], []
         for i in reversed(range(len(w) - 1)):  # from the deepest skip up
-            ups.append(conv3d.conv3d(w[i + 1], w[i], 3, name=f"up{i}.conv", dtype=cfg.dtype, rngs=rngs))
+            ups.append(conv3d.conv3d(w[i + 1], w[i], 3, name=f"up{i}.conv", **cfg.dtypes(), rngs=rngs))
             pairs.append(_Pair(cfg, 2 * w[i], w[i], f"up{i}", rngs=rngs))
         self.ups, self.up_pairs = nnx.List(ups), nnx.List(pairs)
-        self.head = conv3d.conv3d(w[0], cfg.num_classes, 1, name="head", dtype=cfg.dtype, rngs=rngs,
+        self.head = conv3d.conv3d(w[0], cfg.num_classes, 1, name="head", **cfg.dtypes(), rngs=rngs,
                                   init=nnx.initializers.lecun_normal())  # fmt: skip
 
     def __call__(self, volumes: jax.Array) -> jax.Array:

@@ -111,6 +111,7 @@ def plan_layer(
     n divisible by d; the local extent n/d divisible by the stride; an even window only with stride = window;
     padding 0 or the window's radius on each side; the output extent exactly n/stride (so the shards' outputs
     tile the output: "VALID" with a window larger than its stride shrinks the volume and cannot be split evenly);
+    "SAME" is accepted whatever pads it computes (k=5, s=2 pads (1, 2): the halo rule holds for them too);
     and each halo no larger than the local extent (halos come from direct neighbours only).
     """
     nsp = len(shape) - 2
@@ -155,7 +156,7 @@ def plan_layer(
                 "use an odd window or stride = window"
             )
         radius = (kd - 1) // 2
-        if lo not in (0, radius) or hi not in (0, radius):
+        if not isinstance(padding, str) and (lo not in (0, radius) or hi not in (0, radius)):
             raise ShardkitError(
                 f"{what}: padding {pads[dim]} on a split dimension must be 0 or the window's radius {radius} on "
                 "each side (DistConv's rule); use 'SAME'"
