@@ -53,7 +53,7 @@ import shardkit as sk
 from experiments import data, runtime  # noqa: F401  (tests patch experiments.train.data)
 from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
-from experiments.tasks import ImageTask, LMTask, build_task, model_config  # noqa: F401  (explain uses model_config)
+from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "gpt_tiny.py")
@@ -78,7 +78,7 @@ class Run:
     """Everything `train` builds before it touches parameters: validated, nothing compiled yet."""
 
     mesh: jax.sharding.Mesh
-    task: LMTask | ImageTask  # the model family: model config, data, batches (experiments/tasks.py)
+    task: LMTask | ImageTask | VolumeTask  # the model family: model config, data, batches (experiments/tasks.py)
     step: sk.TrainStep  # built on the abstract model: shardings and jitted functions, no parameters
     schedule: optax.Schedule
     dir: Path
@@ -111,7 +111,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
     step = sk.make_train_step(abstract, tx, mesh, strategy, loss_fn=task.loss_fn, batch_axes=task.batch_axes,
                               microbatches=config.microbatches)  # fmt: skip
     step.check_batch(task.batch_spec())
-    if isinstance(task, ImageTask):  # the validation batches too (evaluate checks them like training batches)
+    if isinstance(task, ImageTask | VolumeTask):  # the validation batches too (evaluate checks them like training)
         step.check_batch(task.batch_spec(size=task.val_batch_size), microbatches=1)
     name = config.name or f"{config.config_name}-{config.strategy}"
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
@@ -209,7 +209,8 @@ class _Log:
 
 def _val_text(rec: dict[str, Any]) -> str:
     acc = f" | val_accuracy {rec['val_accuracy']:.2%}" if rec.get("val_accuracy") is not None else ""
-    return f"val_loss {rec['val_loss']:.4f}{acc}"
+    more = "".join(f" | val_{k} {rec['val_' + k]:.4f}" for k in ("dice", "mae") if rec.get("val_" + k) is not None)
+    return f"val_loss {rec['val_loss']:.4f}{acc}{more}"
 
 
 def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any]) -> dict[str, float]:
@@ -344,7 +345,8 @@ def _summary(config: ml_collections.ConfigDict, run: Run, info: dict, recs: list
         losses=[r["loss"] for r in recs], loss=recs[-1]["loss"] if recs else None, wall_s=time.perf_counter() - t0
     )
     summary.update({rate_key: statistics.median(rates) if rates else None})
-    summary.update({k: info[k] for k in ("unigram_entropy", "chance_loss", "chance_accuracy") if k in info})
+    summary.update({k: info[k] for k in ("unigram_entropy", "chance_loss", "chance_accuracy", "baseline_loss")
+                    if k in info})  # fmt: skip
     summary.update(mfu=statistics.median(r["mfu"] for r in recs) if recs and info["peak_flops"] else None)
     summary.update(num_params=run.model_cfg.num_params(), bytes_per_device=max(mem.values()))
     if not recs:
@@ -353,6 +355,8 @@ def _summary(config: ml_collections.ConfigDict, run: Run, info: dict, recs: list
     vs = ""
     if last_val and "unigram_entropy" in info:
         vs = f" | val_loss {last_val['val_loss']:.4f} vs unigram entropy {info['unigram_entropy']:.3f}"
+    elif last_val and "baseline_loss" in info:
+        vs = f" | val_loss {last_val['val_loss']:.4f} vs predicting the mean {info['baseline_loss']:.4f}"
     elif last_val:
         vs = f" | {_val_text(last_val)} (chance {info['chance_accuracy']:.1%})"
     mfu = f" | MFU {summary['mfu']:.1%} median" if summary["mfu"] is not None else " | MFU not computed (no peak)"

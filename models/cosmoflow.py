@@ -3,11 +3,11 @@
 Mathuriya et al., "CosmoFlow: using deep learning to learn the universe at scale" (SC'18, arXiv 1808.04728);
 the LBANN / MLPerf-HPC variant Oyama et al. (arXiv 2007.12856) train with spatial parallelism at 512^3:
 5 x [conv3d k=3 -> LeakyReLU -> 2^3 max pool], flatten, dense layers with dropout, a linear output of
-`num_params` (4: the generating parameters, normalised to [-1, 1]) and an MSE loss.
+`num_outputs` (4: the generating parameters, normalised to [-1, 1]) and an MSE loss.
 
     cfg = CosmoFlowConfig(size=32, widths=(8, 16, 16, 32, 32))
     model = sk.sharded_init(lambda rngs: CosmoFlow(cfg, rngs=rngs), mesh, "spatial_dp_halo")
-    y = model(volumes)                   # f32[batch, size, size, size, in_channels] -> f32[batch, num_params]
+    y = model(volumes)                   # f32[batch, size, size, size, in_channels] -> f32[batch, num_outputs]
 
 `spatial_blocks` says how many leading conv blocks keep the volume split over the spatial mesh axes (all by
 default); the later ones, and the dense head always, run on the batch layout (spatial dimensions whole). The
@@ -40,7 +40,7 @@ class CosmoFlowConfig:
     in_channels: int = 1
     widths: Sequence[int] = (8, 16, 16, 32, 32)  # output channels of the conv blocks (published: 16 ... 256)
     dense: Sequence[int] = (64, 32)  # hidden dense layers (published: 128, 64)
-    num_params: int = 4
+    num_outputs: int = 4  # the regressed parameters
     dropout: float = 0.0  # before each hidden dense layer (published: 0.5)
     leaky_slope: float = 0.3  # LeakyReLU's negative slope (LBANN / MLPerf CosmoFlow)
     batch_norm: bool = False  # BatchNorm after each conv (the MLPerf reference has none)
@@ -59,7 +59,10 @@ class CosmoFlowConfig:
                 f"{len(self.widths)} conv blocks halves it); e.g. size={2 ** len(self.widths) * 4}"
             )
         if self.spatial_blocks is not None and not 0 <= self.spatial_blocks <= len(self.widths):
-            raise sk.ShardkitError(f"spatial_blocks={self.spatial_blocks}: between 0 and {len(self.widths)}")
+            raise sk.ShardkitError(
+                f"spatial_blocks={self.spatial_blocks}: between 0 and the {len(self.widths)} conv blocks of "
+                f"widths={self.widths}"
+            )
 
     def dtypes(self) -> dict[str, str]:
         return {"dtype": self.dtype, "param_dtype": self.param_dtype}
@@ -67,13 +70,14 @@ class CosmoFlowConfig:
     def split(self, block: int) -> bool:
         return self.spatial_blocks is None or block < self.spatial_blocks
 
-    def num_params_total(self) -> int:
+    def num_params(self) -> int:
+        """Trainable parameters (BatchNorm statistics excluded)."""
         n, c = 0, self.in_channels
         for w in self.widths:
             n += 27 * c * w + (2 * w if self.batch_norm else w)  # BatchNorm scale + shift, or a bias
             c = w
         f = c * (self.size // 2 ** len(self.widths)) ** 3
-        for h in (*self.dense, self.num_params):
+        for h in (*self.dense, self.num_outputs):
             n += f * h + h
             f = h
         return n
@@ -85,13 +89,13 @@ class CosmoFlowConfig:
             macs += 27 * c * w * s**3
             c, s = w, s // 2
         f = c * s**3
-        for h in (*self.dense, self.num_params):
+        for h in (*self.dense, self.num_outputs):
             macs, f = macs + f * h, h
         return 3 * 2 * macs
 
 
 class CosmoFlow(nnx.Module):
-    """CosmoFlow(cfg, rngs=...)(volumes f32[B, S, S, S, C]) -> f32[B, num_params]."""
+    """CosmoFlow(cfg, rngs=...)(volumes f32[B, S, S, S, C]) -> f32[B, num_outputs]."""
 
     batch_axes = BATCH_AXES
 
@@ -109,7 +113,7 @@ class CosmoFlow(nnx.Module):
         self.convs, self.norms = nnx.List(convs), nnx.List(norms)
         f = c * (cfg.size // 2 ** len(cfg.widths)) ** 3
         dense = []
-        for h in (*cfg.dense, cfg.num_params):
+        for h in (*cfg.dense, cfg.num_outputs):
             dense.append(
                 nnx.Linear(f, h, param_dtype=jnp.dtype(cfg.param_dtype),
                            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (CHANNELS, None)),

@@ -44,6 +44,24 @@ class UNet3DConfig:
     def dtypes(self) -> dict[str, str]:
         return {"dtype": self.dtype, "param_dtype": self.param_dtype}
 
+    def num_params(self) -> int:
+        """Trainable parameters (BatchNorm statistics excluded): pairs 2 x (27 c_in c + 2c), up-convs, the head."""
+        w, pair = self.widths, lambda c_in, c: 27 * c_in * c + 2 * c + 27 * c * c + 2 * c
+        n = sum(pair(c_in, c) for c_in, c in zip((self.in_channels, *w[:-1]), w, strict=True))
+        n += sum(27 * w[i + 1] * w[i] + w[i] + pair(2 * w[i], w[i]) for i in range(len(w) - 1))
+        return n + w[0] * self.num_classes + self.num_classes
+
+    def flops_per_example(self, size: int) -> float:
+        """Training FLOPs per volume of size^3: 3 x 2 x the convolutions' forward multiply-adds."""
+        w, macs = self.widths, 0
+        pair = lambda c_in, c, s: 27 * (c_in * c + c * c) * s**3
+        for i, (c_in, c) in enumerate(zip((self.in_channels, *w[:-1]), w, strict=True)):
+            macs += pair(c_in, c, size // 2**i)
+        for i in range(len(w) - 1):
+            s = size // 2**i
+            macs += 27 * w[i + 1] * w[i] * s**3 + pair(2 * w[i], w[i], s)
+        return 3 * 2 * (macs + w[0] * self.num_classes * size**3)
+
     def min_size(self) -> int:
         """The input extent must be divisible by this (one halving per pooling)."""
         return 2 ** (len(self.widths) - 1)

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from shardkit import costmodel, costmodel_rules, hlo
+from shardkit.parallel import spatial
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
@@ -230,7 +231,8 @@ def explain(
     without one, the prediction is what the strategy's rules tables imply for the parameters.
     `target_mesh`: the plan's mesh when `step.mesh` is a scaled-down stand-in; adds SCALED figures.
     """
-    compiled = step.lower(state, batch).compile()
+    with spatial.recording() as exchanges:  # halo kernels report their exchanges while traced
+        compiled = step.lower(state, batch).compile()
     mesh = step.mesh
     sizes = dict(mesh.shape)
     platform = mesh.devices.flat[0].platform
@@ -257,6 +259,14 @@ def explain(
         pred = predict_from_rules(step, state, backend)
         notes.append(f"no cost model of {type(getattr(step, '_model', None)).__name__}'s activations for "
                      f"{step.strategy.name}: rows predicted '-' are not modelled")  # fmt: skip
+    if exchanges:  # explicit spatial halos: each forward permute and, where the input is differentiated, its transpose
+        comms = dict(pred[0])
+        for e in exchanges:
+            for axis, b in e.sends:
+                n, total = comms.get(("collective-permute", axis), (0, 0.0))
+                comms["collective-permute", axis] = (n + 1 + e.backward, total + (1 + e.backward) * b)
+        pred = (comms, pred[1], f"{pred[2]}; halo permutes from the {len(exchanges)} halo conv / pool layers traced "
+                                f"(shardkit.parallel.spatial.halo_bytes)")  # fmt: skip
     report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes)
     report.predicted_comms, report.predicted_memory, report.prediction_source = pred
     if target_mesh:

@@ -23,6 +23,7 @@ Tolerances.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,8 +33,11 @@ import optax
 import pytest
 from common import one_device_mesh
 from jax import lax
+from test_experiments import metrics
 
 import shardkit as sk
+from experiments import train as tr
+from experiments.configs import cosmoflow_tiny, unet3d_tiny
 from models.cosmoflow import CosmoFlow, CosmoFlowConfig
 from models.unet3d import UNet3D, UNet3DConfig
 from shardkit import hlo
@@ -252,3 +256,61 @@ def test_a_split_that_stops_dividing_names_the_layer() -> None:
     batch = {"volume": np.zeros((4, 32, 32, 32, 1), np.float32), "target": np.zeros((4, 4), np.float32)}
     with pytest.raises(sk.ShardkitError, match=r"pool4 .*local extent 1 \(= 2 / 2\) is not divisible by the stride 2"):
         step(step.init_state(), batch)
+
+
+# ------------------------------------------------------------------------------- experiments.train end to end
+VOLUME_TINY = {
+    "batch_size": 4, "steps": 4, "eval_every": 2, "ckpt_every": 2, "eval_batches": 1, "data.size": 16,
+    "data.train_size": 16, "optimizer.lr": 1e-2, "optimizer.warmup_steps": 1, "optimizer.decay_steps": 4,
+    "progress": False, "jax_cache_dir": "", "peak_flops": 1e9,
+}  # fmt: skip
+
+
+def _volume_config(module: Any, tmp: Path, name: str, **overrides: Any) -> Any:
+    config = module.get_config()
+    for key, value in {**VOLUME_TINY, "run_dir": str(tmp / "runs"), "name": name, **overrides}.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def test_cosmoflow_trains_from_the_cli_and_resumes_exactly(tmp_path: Path) -> None:
+    """4 steps of cosmoflow_tiny (16^3, 4 blocks) under the halo kernels; stopped at 2 and resumed: same losses."""
+    small = {"model.widths": (2, 4, 4, 4), "model.dense": (8,), "model.spatial_blocks": 2,
+             "strategy": "spatial_dp_halo"}  # fmt: skip
+    full = tr.train(_volume_config(cosmoflow_tiny, tmp_path, "full", **small))
+    m = metrics(full["run_dir"])
+    assert sorted(m) == [1, 2, 3, 4] and {"loss", "mae", "volumes_per_s"} <= m[1].keys()
+    assert [k for k in m if "val_loss" in m[k]] == [2, 4] and "val_mae" in m[4]
+    assert 0 < full["baseline_loss"] < 1  # the MSE of predicting the mean of targets in [-1, 1]
+    tr.train(_volume_config(cosmoflow_tiny, tmp_path, "halves", steps=2, **small))
+    second = tr.train(_volume_config(cosmoflow_tiny, tmp_path, "halves", **small))
+    assert (second["start_step"], second["step"]) == (2, 4)
+    got = metrics(second["run_dir"])
+    np.testing.assert_allclose([got[k]["loss"] for k in got], [m[k]["loss"] for k in got], rtol=1e-6)
+
+
+def test_unet3d_and_npy_folders_train_from_the_cli(tmp_path: Path) -> None:
+    out = tr.train(_volume_config(unet3d_tiny, tmp_path, "unet", steps=2, eval_every=2, **{"model.widths": (2, 4)}))
+    m = metrics(out["run_dir"])
+    assert {"accuracy", "dice"} <= m[1].keys() and "val_dice" in m[2] and 0 <= m[2]["val_accuracy"] <= 1
+    folder = tmp_path / "volumes"  # users' own data: 8 volumes 16^3 and their regression targets
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        np.save(folder / f"v{i}.npy", rng.normal(size=(16, 16, 16)).astype(np.float32))
+    np.save(folder / "targets.npy", rng.uniform(-1, 1, (8, 2)).astype(np.float32))
+    overrides = {
+        "data.path": str(folder),
+        "steps": 2,
+        "model.widths": (2, 2),
+        "model.dense": (4,),
+        "model.spatial_blocks": 1,
+    }
+    out = tr.train(_volume_config(cosmoflow_tiny, tmp_path, "npy", **overrides))
+    assert out["step"] == 2 and out["val_loss"] is not None
+    with pytest.raises(sk.ShardkitError, match=r"data\.size=18 is not divisible by 4"):
+        tr.build(_volume_config(unet3d_tiny, tmp_path, "bad", **{"data.size": 18, "model.widths": (2, 4, 8)}))

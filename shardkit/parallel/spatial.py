@@ -30,9 +30,11 @@ problem (a split that does not divide the volume at some layer, a halo larger th
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -177,6 +179,56 @@ def plan_layer(
     return Plan(name, tuple(axes), tuple(degrees), window, strides, dilation, pads, tuple(halos))
 
 
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One traced layer's halo exchange (forward): what `recording()` collects."""
+
+    name: str
+    op: str
+    plan: Plan
+    sends: tuple[tuple[str, int], ...]  # (mesh axis, bytes) per collective-permute, per device (halo_bytes)
+    backward: bool = True  # the input's gradient is computed (not for a network's first layer: its input is data)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.sends)
+
+
+_RECORD: contextvars.ContextVar[list[Exchange] | None] = contextvars.ContextVar("shardkit_spatial", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Exchange]]:
+    """Collects an `Exchange` for every halo conv / pool traced in this block: the cost model's halo bytes.
+
+    with sk.spatial.recording() as layers:
+        step.lower(state, batch)
+    forward = sum(e.bytes for e in layers)   # per device; the backward pass sends the same again
+    """
+    found: list[Exchange] = []
+    token = _RECORD.set(found)
+    try:
+        yield found
+    finally:
+        _RECORD.reset(token)
+
+
+def _differentiated(x: Any) -> bool:
+    """Whether `x` is being differentiated (a JVP tracer): only then does the backward pass exchange its halos."""
+    try:  # internal, present in jax 0.10-0.12: forward-mode and linearize (what grad uses) tracers
+        from jax._src.interpreters.ad import JVPTracer, LinearizeTracer
+    except ImportError:  # pragma: no cover - a future jax: assume the gradient is needed
+        return True
+    return isinstance(x, JVPTracer | LinearizeTracer)
+
+
+def _record(op: str, plan: Plan, x: jax.Array, batch_degree: int) -> None:
+    found = _RECORD.get()
+    if found is not None:
+        sends = tuple(halo_bytes(plan, x.shape, batch_degree, x.dtype.itemsize))
+        found.append(Exchange(plan.name, op, plan, sends, _differentiated(x)))
+
+
 def _exchange(x: jax.Array, dim: int, axis: str, size: int, low: int, high: int, fill: float) -> jax.Array:
     """[.., n, ..] -> [.., low + n + high, ..] along `dim`: the previous shard's last `low` planes in front, the
     next one's first `high` behind; the edge shards get `fill` (the padding value) where no neighbour is."""
@@ -254,6 +306,7 @@ def conv(
     plan = plan_layer(name, x.shape, w.shape[:nsp], _tuple(strides, nsp, "strides"),
                       _tuple(rhs_dilation, nsp, "rhs_dilation"), padding, axes, mesh)  # fmt: skip
     baxes = _batch_axes(mesh, axes, batch_axes, x.shape[0])
+    _record("conv", plan, x, math.prod(mesh.shape[a] for a in baxes))
     dn = _dims(nsp)
 
     def body(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -285,6 +338,7 @@ def pool(
     axes = tuple(spatial_axes)
     plan = plan_layer(name, x.shape, window, strides, (1,) * nsp, padding, axes, mesh, op=f"{reduce} pool")
     baxes = _batch_axes(mesh, axes, batch_axes, x.shape[0])
+    _record(f"{reduce} pool", plan, x, math.prod(mesh.shape[a] for a in baxes))
     fill = -jnp.inf if reduce == "max" else 0.0
 
     def body(x: jax.Array) -> jax.Array:
@@ -375,4 +429,5 @@ def halo_pool_kernel(x: jax.Array, *, window: Sequence[int], strides: Sequence[i
 kernels.register("conv", "halo", halo_conv_kernel, description="explicit halo exchange (ppermute) + local conv")
 kernels.register("pool", "halo", halo_pool_kernel, description="explicit halo exchange (ppermute) + local pool")
 
-__all__ = ["SPATIAL_NAMES", "Plan", "conv", "halo", "halo_bytes", "plan_layer", "pool", "resolve_padding"]
+__all__ = ["SPATIAL_NAMES", "Exchange", "Plan", "conv", "halo", "halo_bytes", "plan_layer", "pool", "recording",
+           "resolve_padding"]  # fmt: skip
