@@ -65,7 +65,10 @@ def memory_table(sizes: list[int]) -> list[dict[str, Any]]:
     for size in sizes:
         one = None
         for degree in (1, 2, 4, 8):
-            if size // degree < 2:  # the first pool needs an even local extent
+            if size % degree or (size // degree) % 2 ** len(TRUNK):  # every pool halves the local extent
+                print(
+                    f"  {size:>4}^3  S={degree}  skipped: {size // degree} voxels per device do not halve {len(TRUNK)}x"
+                )
                 continue
             temp = trunk_temp_bytes(size, degree)
             one = temp if degree == 1 else one
