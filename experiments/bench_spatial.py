@@ -11,6 +11,9 @@
    reduces, step time, next to the same step on one device and under plain `dp` on data=8; the halo share of
    the bytes; and the halo bytes the kernels predict at trace time (`sk.spatial.recording`) vs the compiled ones.
    The 8 virtual devices share this host's cores, so times measure total work and overhead, not speed-up.
+3. planning: `sk.plan` ranks data x spatial splits of CosmoFlow at 512^3 (experiments/configs/cosmoflow_512.py)
+   on the `lassen` preset (2048 V100 16 GB, the class of machine of Oyama et al.) by predicted communication time,
+   within memory (models/cosmoflow_cost.py), next to data parallelism alone.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def step_row(spec: str, strategy: str, reps: int, batch: dict[str, np.ndarray]) 
                )  # fmt: skip
     total = row["permute_bytes"] + row["all_reduce_bytes"] + row["other_bytes"]
     row["halo_share"] = row["permute_bytes"] / total if total else 0.0
+    est = COSMO.cost_model(strategy, dict(mesh.shape), {"volume": (BATCH,)}, 4, "cpu")
+    row["estimated_activation_bytes"] = est[1]["activations"] if est else None
     return row
 
 
@@ -117,6 +122,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sizes", default="32,64,128", help="cube sizes of the memory table")
     parser.add_argument("--budget_gib", type=float, default=16.0, help="per-device memory budget (V100: 16 GiB)")
+    parser.add_argument("--plan_batch", type=int, default=256, help="global batch of the 512^3 plan")
     args = parser.parse_args()
 
     print("1. per-device temporaries of a 3-block conv trunk (fwd + bwd), depth split over space=S:")
@@ -150,14 +156,35 @@ def main() -> None:
     print(f"\nexplicit / GSPMD: halo bytes {halo['permute_bytes'] / gspmd['permute_bytes']:.3f}, permutes "
           f"{halo['permute_count']} vs {gspmd['permute_count']}, all-reduces {halo['all_reduce_count']} vs "
           f"{gspmd['all_reduce_count']}, step time {halo['step_s'] / gspmd['step_s']:.3f}")  # fmt: skip
+    print(f"activations estimated by models/cosmoflow_cost.py: {halo['estimated_activation_bytes'] / 2**20:.2f} MiB "
+          f"per device; compiled temporaries {halo['temp_bytes'] / 2**20:.2f} MiB")  # fmt: skip
     print(f"explicit, predicted at trace time / compiled halo bytes: "
           f"{halo['predicted_permute_bytes'] / halo['permute_bytes']:.4f}")  # fmt: skip
+
+    print(f"\n3. sk.plan: CosmoFlow 512^3 x 4 channels on lassen (2048 x V100 16 GB), global batch {args.plan_batch}, "
+          "bf16:")  # fmt: skip
+    big = CosmoFlowConfig(size=512, in_channels=4, widths=(16, 32, 64, 128, 256, 256, 256), dense=(128, 64),
+                          spatial_blocks=5)  # fmt: skip
+    plans = sk.plan(big, devices=2048, hardware="lassen", global_batch=args.plan_batch,
+                    strategies=("dp", "spatial_dp_halo"), include_rejected=True, nbytes=2)  # fmt: skip
+    fitting = [p for p in plans if p.fits]
+    print(sk.costmodel.format_plans(fitting[:5]))
+    dp = [p for p in plans if p.strategy == "dp"]
+    rejected = [p for p in plans if not p.fits]
+    dp_text = f"dropped (batch {args.plan_batch} < 2048 devices)" if not dp else dp[0].reason or "fits"
+    print(f"  {len(fitting)} plans fit, {len(rejected)} rejected for memory; data parallelism alone: {dp_text}")
+    one = sk.plan(big, devices=2048, hardware="lassen", global_batch=2048, strategies=("dp",), nbytes=2,
+                  include_rejected=True)[0]  # fmt: skip
+    print(f"  data parallelism at batch 2048 (one volume per device): {one.reason or 'fits'}")
+    plan_rows = [dict(strategy=p.strategy, mesh=p.mesh, comm_ms=p.comm_time_s * 1e3, fits=p.fits, reason=p.reason,
+                      memory_gib=p.memory["total"] / 2**30) for p in plans[:20]]  # fmt: skip
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     setup = dict(devices=jax.device_count(), backend=jax.default_backend(), jax=jax.__version__, trunk=TRUNK,
                  cosmoflow=str(COSMO), batch=BATCH, reps=args.reps, budget_gib=args.budget_gib)  # fmt: skip
-    out.write_text(json.dumps({"setup": setup, "memory": mem, "fits": fits, "steps": rows}, indent=2))
+    report = {"setup": setup, "memory": mem, "fits": fits, "steps": rows, "plans": plan_rows}
+    out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 
 

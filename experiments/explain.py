@@ -61,7 +61,7 @@ def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
     lm = config.get("task", "lm") == "lm"
     if lm and config.data.path and not config.model.vocab_size:
         raise sk.ShardkitError("explain reads no data: with data.path set, give --config.model.vocab_size")
-    strategy = sk.strategy(config.strategy)
+    strategy = runtime.with_kernels(sk.strategy(config.strategy), config.get("kernels", ""))
     n_here = jax.device_count()
     target = target_axes(config, n_here)
     built, how = fit_mesh(target, n_here)

@@ -129,3 +129,15 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # releases the flock; the file stays (it is only information)
             self._fd = None
+
+
+def with_kernels(strategy: sk.Strategy, spec: str) -> sk.Strategy:
+    """The strategy with `--config.kernels="slot=name,..."` over its kernel table; ShardkitError naming a bad entry."""
+    table = {}
+    for item in filter(None, (p.strip() for p in (spec or "").split(","))):
+        slot, sep, name = item.partition("=")
+        if not sep or not slot.strip() or not name.strip():
+            raise sk.ShardkitError(f"kernels={spec!r}: write slot=name pairs separated by commas, e.g. 'norm=group'")
+        sk.kernels.lookup(slot.strip(), name.strip())  # unknown slot or kernel: an error listing what exists
+        table[slot.strip()] = name.strip()
+    return strategy.replace(kernels=table) if table else strategy

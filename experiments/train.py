@@ -102,6 +102,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
         pp = config.pipeline
         v = f":{pp.virtual_stages}" if pp.virtual_stages else ""
         strategy = strategy.replace(layers=f"pipeline:{pp.schedule}:{pp.microbatches}{v}")
+    strategy = runtime.with_kernels(strategy, config.get("kernels", ""))
     preset = resolve_preset(config.hardware)
     mesh = sk.make_mesh(runtime.target_axes(config, jax.device_count()))  # "auto": one the strategy fits
     strategy.bind(mesh)

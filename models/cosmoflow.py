@@ -82,6 +82,26 @@ class CosmoFlowConfig:
             f = h
         return n
 
+    def cost_model(
+        self, strategy: str, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+    ) -> tuple[list, dict[str, float], str] | None:
+        """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) from models/cosmoflow_cost.py; None
+        for a strategy it does not model."""
+        from models import cosmoflow_cost
+
+        if strategy not in cosmoflow_cost.MODELLED:
+            return None
+        batch = next(iter(batch_shapes.values()))[0]
+        comms = cosmoflow_cost.comms(self, strategy, mesh, batch, self.size, nbytes)
+        memory = cosmoflow_cost.memory(self, strategy, mesh, batch, self.size, nbytes)
+        return comms, memory, f"models/cosmoflow_cost.py ({strategy}: explicit halo exchange + gradient all-reduces)"
+
+    def indivisible(self, strategy: str, mesh: dict[str, int], global_batch: int) -> str:
+        """`sk.plan`'s hook: why the volume or batch does not split over `mesh` ("" if they do)."""
+        from models import cosmoflow_cost
+
+        return cosmoflow_cost.divisibility(self, strategy, mesh, global_batch, self.size)
+
     def flops_per_example(self) -> float:
         """Training FLOPs per volume: 3 x 2 x the forward multiply-adds of the convs and dense layers."""
         macs, c, s = 0, self.in_channels, self.size

@@ -197,8 +197,14 @@ def candidates(devices: int, strategies: Sequence[str]) -> list[tuple[str, dict[
             out += [(s, {"data": devices // t, "tensor": t}) for t in _pow2(devices) if t > 1]
         elif s in ("dp", "fsdp"):
             out.append((s, {"data" if s == "dp" else "fsdp": devices}))
+        elif s.startswith("spatial"):  # depth / height / width over space / space_h / space_w, batch over data
+            for a, b, c in itertools.product(_pow2(devices), repeat=3):
+                if a > 1 and devices % (a * b * c) == 0 and (s.startswith("spatial_dp") or a * b * c == devices):
+                    out.append((s, {"data": devices // (a * b * c), "space": a, "space_h": b, "space_w": c}))
         else:
-            raise ShardkitError(f"plan: unknown strategy {s!r}; choose from dp, fsdp, tp, tp_sp, tp3d")
+            raise ShardkitError(
+                f"plan: unknown strategy {s!r}; choose from dp, fsdp, tp, tp_sp, tp3d, spatial[_dp][_halo]"
+            )
     return out
 
 
@@ -207,7 +213,7 @@ def plan(
     devices: int,
     hardware: str | HardwarePreset,
     global_batch: int,
-    seq_len: int,
+    seq_len: int | None = None,
     *,
     strategies: Sequence[str] = ("dp", "fsdp", "tp", "tp_sp", "tp3d"),
     variant: str = "alpha-beta",
@@ -220,7 +226,9 @@ def plan(
 
     `model_cfg` brings the model's terms (`cost_model`, `indivisible`; module docstring). Plans with indivisible
     shapes are dropped; plans over `memory_fraction` of HBM are rejected (kept, last, with the reason, when
-    `include_rejected`). `backend` defaults to the preset's platform.
+    `include_rejected`). `backend` defaults to the preset's platform. The hook gets the batch as
+    `{"inputs": (global_batch, seq_len)}` (a transformer's), or `{"batch": (global_batch,)}` without `seq_len`
+    (a model that knows its own input shape, e.g. CosmoFlow: `strategies=("dp", "spatial_dp_halo")`).
     """
     hook = getattr(model_cfg, "cost_model", None)
     if hook is None:
@@ -239,7 +247,8 @@ def plan(
     for s, mesh in candidates(devices, strategies):
         if indivisible(s, mesh, global_batch):
             continue
-        terms = hook(s, mesh, {"inputs": (global_batch, seq_len)}, nbytes, backend)
+        shapes = {"inputs": (global_batch, seq_len)} if seq_len else {"batch": (global_batch,)}
+        terms = hook(s, mesh, shapes, nbytes, backend)
         if terms is None:
             raise ShardkitError(f"plan: the model's cost model does not cover strategy {s!r}; leave it out")
         comms, mem, _ = terms

@@ -259,7 +259,9 @@ def explain(
         pred = predict_from_rules(step, state, backend)
         notes.append(f"no cost model of {type(getattr(step, '_model', None)).__name__}'s activations for "
                      f"{step.strategy.name}: rows predicted '-' are not modelled")  # fmt: skip
-    if exchanges:  # explicit spatial halos: each forward permute and, where the input is differentiated, its transpose
+    if exchanges and not any(k == "collective-permute" for k, _ in pred[0]):
+        # explicit spatial halos the model's hook does not predict: each forward permute and, where the input is
+        # differentiated, its transpose
         comms = dict(pred[0])
         for e in exchanges:
             for axis, b in e.sends:

@@ -176,3 +176,40 @@ def pool(x: jax.Array, window: Sequence[int], strides: Sequence[int] | None = No
     kernel, _, ctx = kernels.active("pool")
     return kernel.fn(x, window=window, strides=strides, padding=padding, reduce=reduce, axes=tuple(axes), name=name,
                      context=ctx)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------
+# BatchNorm statistics slot. "global" (default): statistics over the whole global batch, the one-device
+# computation, whatever the mesh (GSPMD reduces across data and spatial shards). "group": one set per data-parallel
+# group, i.e. per shard of the batch over its mesh axes (what unsynchronised data-parallel BatchNorm computes),
+# still over each sample's whole volume across spatial shards; "group:G" fixes G (e.g. to emulate it on one device).
+DEFAULTS.setdefault("norm", "global")
+
+
+def _global_groups(batch: int, context: Any, name: str = "global") -> int:
+    return 1
+
+
+def _data_groups(batch: int, context: Any, name: str = "group") -> int:
+    if ":" in name:
+        groups = int(name.split(":", 1)[1])
+    elif context is None:
+        groups = 1
+    else:
+        axes = [a for a in (context.rules.get("batch") or ()) if a in context.mesh.shape]
+        groups = 1
+        for a in axes:
+            groups *= context.mesh.shape[a]
+    if groups < 1 or batch % groups:
+        raise ShardkitError(f"BatchNorm statistics per group: batch {batch} does not split into {groups} groups")
+    return groups
+
+
+kernels.register("norm", "global", _global_groups, description="BatchNorm statistics over the global batch")
+kernels.register("norm", "group", _data_groups, description="BatchNorm statistics per data-parallel group")
+
+
+def norm_groups(batch: int) -> int:
+    """How many equal groups of the batch (in order) get their own BatchNorm statistics under the active strategy."""
+    kernel, name, ctx = kernels.active("norm")
+    return kernel.fn(batch, ctx, name)

@@ -79,8 +79,9 @@ def _strategies_trained_by(test) -> set[str]:
         if mark.name == "parametrize":
             names, values = mark.args[0], mark.args[1]
             names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
-            if "name" in names:
-                i = names.index("name")
+            key = next((k for k in ("name", "strategy") if k in names), None)
+            if key is not None:
+                i = names.index(key)
                 out |= {v[i] if len(names) > 1 else v for v in values}
     return out
 
@@ -90,12 +91,14 @@ def test_every_shipped_strategy_has_a_parity_test():
     until it gets one. The GSPMD tables are tested in this file, the others next to their kernels."""
     import test_pipeline
     import test_sp_training
+    import test_spatial
     import test_tensor3d
 
     covered = set(MESHES) | {"tp3d", "pp_tp"}  # test_tensor3d / test_pipeline, by name (not parametrized over it)
     covered |= _strategies_trained_by(test_sp_training.test_sp_strategy_matches_one_device)
     covered |= _strategies_trained_by(test_pipeline.test_pipeline_training_matches_one_device)
     covered |= {"tp_channels"}  # tests/test_resnet_digits.py: a CNN, whose channels it shards
+    covered |= _strategies_trained_by(test_spatial.test_training_equals_one_device)  # 3D CNNs, spatial splits
     assert callable(test_tensor3d.test_gpt_training_under_tp3d_matches_one_device)
     assert callable(test_pipeline.test_pp_tp_matches_one_device)
     missing = set(sk.STRATEGIES) - covered

@@ -228,6 +228,7 @@ def _assert_close(got: Any, want: Any, rtol: float = 1e-5) -> None:
         ("cosmoflow", "spatial_dp", "data=2,space=2,space_h=2"),
         ("cosmoflow", "spatial_dp_halo", "data=2,space=2,space_h=2"),
         ("cosmoflow", "spatial_halo", "space=2,space_h=2,space_w=2"),
+        ("cosmoflow", "spatial", "space=2,space_h=2,space_w=2"),
         ("unet3d", "spatial_dp", "data=2,space=4"),
         ("unet3d", "spatial_dp_halo", "data=2,space=2,space_h=2"),
     ],
@@ -314,3 +315,39 @@ def test_unet3d_and_npy_folders_train_from_the_cli(tmp_path: Path) -> None:
     assert out["step"] == 2 and out["val_loss"] is not None
     with pytest.raises(sk.ShardkitError, match=r"data\.size=18 is not divisible by 4"):
         tr.build(_volume_config(unet3d_tiny, tmp_path, "bad", **{"data.size": 18, "model.widths": (2, 4, 8)}))
+
+
+def test_per_group_batchnorm_equals_its_one_device_form(references: dict) -> None:
+    """kernels={"norm": "group"}: each data-parallel half of the batch normalised by its own statistics, each sample
+    whole across its spatial shards; equals one device computing 2 groups ("group:2"), and differs from global."""
+    grouped = sk.strategy("spatial_dp_halo").replace(kernels={"norm": "group"})
+    got = _run("unet3d", sk.make_mesh("data=2,space=2,space_h=2"), grouped)
+    want = _run("unet3d", one_device_mesh(), sk.strategy("dp").replace(kernels={"norm": "group:2"}))
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-12)
+    _assert_close(got["params"], want["params"], 1e-10)
+    _assert_close(got["stats"], want["stats"], 1e-10)
+    assert abs(got["losses"][1] - references["unet3d"]["losses"][1]) > 1e-6  # not the global statistics
+
+
+def test_cost_model_predicts_the_compiled_halos_and_plans_spatial_splits() -> None:
+    """CosmoFlow's cost hook (models/cosmoflow_cost.py) = the compiled explicit halo permutes, per axis, count and
+    bytes; sk.plan ranks data x spatial splits of a 512^3 CosmoFlow on a 2048-GPU preset."""
+    mesh = sk.make_mesh("data=2,space=2,space_h=2")
+    net = sk.sharded_init(lambda rngs: CosmoFlow(COSMO, rngs=rngs), mesh, "spatial_dp_halo", seed=0)
+    step = sk.make_train_step(net, optax.sgd(0.1), mesh, "spatial_dp_halo")
+    report = sk.explain(step, step.init_state(), _batches()["cosmoflow"])
+    rows = [r for r in report.rows() if r["kind"] == "collective-permute"]
+    assert {r["axes"][0] for r in rows} == {"space", "space_h"}
+    for r in rows:
+        assert (r["predicted_count"], r["predicted_bytes"]) == (r["count"], r["bytes_sent"]), r
+    big = CosmoFlowConfig(size=512, in_channels=4, widths=(16, 32, 64, 128, 256, 256, 256), dense=(128, 64),
+                          spatial_blocks=5)  # fmt: skip
+    plans = sk.plan(big, devices=2048, hardware="lassen", global_batch=256, strategies=("dp", "spatial_dp_halo"),
+                    nbytes=2)  # fmt: skip
+    assert plans and all(p.strategy == "spatial_dp_halo" for p in plans)  # dp: 256 volumes cannot feed 2048 devices
+    assert plans == sorted(plans, key=lambda p: p.comm_time_s)
+    assert all(p.mesh["data"] * p.mesh["space"] * p.mesh["space_h"] * p.mesh["space_w"] == 2048 for p in plans)
+    # one 512^3 sample per device (data parallelism at batch 2048) does not fit 16 GiB: the reason to split samples
+    dp = sk.plan(big, devices=2048, hardware="lassen", global_batch=2048, strategies=("dp",), nbytes=2,
+                 include_rejected=True)  # fmt: skip
+    assert len(dp) == 1 and not dp[0].fits and "GiB usable" in dp[0].reason
