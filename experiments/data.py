@@ -226,9 +226,30 @@ def load_dataset(
         return _load_text(p.parent, [p.name], "text", cache)
     else:
         raise FileNotFoundError(p)
+    _check_width(p, train, np.dtype(bin_dtype))
     if vocab_size is None:
         vocab_size = max(int(a.max()) if len(a) else 0 for a in (train, val)) + 1
     return TokenDataset(train, val, vocab_size, p.name)
+
+
+#: Token ids at or above this in a uint32 file mean it was written as uint16 (pairs of ids read as one); no
+#: tokenizer in use has a vocabulary this large (LLaMA 3: 128,256).
+MAX_PLAUSIBLE_VOCAB = 1 << 20
+
+
+def _check_width(path: Path, tokens: np.ndarray, dtype: np.dtype) -> None:
+    """A token file read with the wrong integer width trains on garbage: catch both directions up front."""
+    head = np.asarray(tokens[: 1 << 16])
+    if dtype.itemsize >= 4 and len(head) and int(head.max()) >= MAX_PLAUSIBLE_VOCAB:
+        raise ValueError(
+            f"{path}: token id {int(head.max()):,} read as {dtype}: no vocabulary is that large, so this is likely a "
+            "uint16 file (nanoGPT's format) read two tokens at a time; set data.bin_dtype=uint16"
+        )
+    if dtype.itemsize == 2 and len(head) >= 256 and not head[1::2].any() and head[0::2].any():
+        raise ValueError(
+            f"{path}: every second uint16 token is 0, the high halves of uint32 tokens; this is likely a uint32 "
+            "file read as uint16: set data.bin_dtype=uint32"
+        )
 
 
 def batch_offsets(

@@ -98,7 +98,7 @@ def main(argv: Sequence[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
     try:
-        report, header = explain_config(tr._CONFIG.value)
+        report, header = explain_config(runtime.loaded_config(tr._CONFIG))
     except sk.ShardkitError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,10 +83,47 @@ def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: in
     env = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
            "process_id": "JAX_PROCESS_ID"}  # fmt: skip
     kw: dict[str, Any] = {k: os.environ[v] for k, v in env.items() if os.environ.get(v)}
-    kw.update({k: int(v) for k, v in kw.items() if k != "coordinator_address"})
+    try:
+        kw.update({k: int(v) for k, v in kw.items() if k != "coordinator_address"})
+    except ValueError as e:
+        raise sk.ShardkitError(f"JAX_NUM_PROCESSES / JAX_PROCESS_ID must be integers: {e}") from e
+    auto = any(os.environ.get(v) for v in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"))
+    if "coordinator_address" not in kw and not auto:
+        raise sk.ShardkitError(
+            "distributed=True but no cluster was found: give --coordinator_address=host:port --num_processes=N "
+            "--process_id=i to every process (or the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID "
+            "variables), run under SLURM, Open MPI or on a TPU pod, or start local processes with "
+            "`python -m experiments.launch_local`"
+        )
+    if kw.get("process_id") == 0 and "coordinator_address" in kw:
+        _check_port_free(kw["coordinator_address"])
     timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=initialization_timeout_s)
     params = inspect.signature(jax.distributed.initialize).parameters
-    jax.distributed.initialize(**kw, **{k: v for k, v in timeouts.items() if k in params})
+    where = kw.get("coordinator_address", "the cluster's coordinator")
+    print(f"distributed: process {kw.get('process_id', '?')} of {kw.get('num_processes', '?')} waiting up to "
+          f"{initialization_timeout_s} s for all processes at {where} (XLA ends this process with DEADLINE_EXCEEDED, "
+          "'another task died', if one never starts)", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        jax.distributed.initialize(**kw, **{k: v for k, v in timeouts.items() if k in params})
+    except (RuntimeError, ValueError) as e:
+        raise sk.ShardkitError(f"jax.distributed.initialize({where}): {str(e).splitlines()[0]}") from e
+
+
+def _check_port_free(address: str) -> None:
+    """Process 0 serves the coordinator on `address`: a port already taken is an error here, not in XLA."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise sk.ShardkitError(f"coordinator address {address!r}: write host:port, e.g. localhost:12345")
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host.strip("[]") or "", int(port)))
+        except OSError as e:
+            raise sk.ShardkitError(
+                f"coordinator address {address}: port {port} cannot be served here ({e.strerror}); another run (or "
+                "a stale process) holds it: pick another --coordinator_address port or stop that process"
+            ) from e
 
 
 class RunLock:
@@ -141,3 +179,28 @@ def with_kernels(strategy: sk.Strategy, spec: str) -> sk.Strategy:
         sk.kernels.lookup(slot.strip(), name.strip())  # unknown slot or kernel: an error listing what exists
         table[slot.strip()] = name.strip()
     return strategy.replace(kernels=table) if table else strategy
+
+
+def config_error(e: BaseException) -> str:
+    """One line for a config file or `--config.x` override that ml_collections could not load or apply."""
+    text = str(e.args[0]) if e.args else str(e)
+    if isinstance(e, AttributeError | KeyError):  # a field that does not exist, with ml_collections' suggestion
+        name, _, hint = text.strip("'\"").replace("\\'", "'").replace("\\n", "\n").partition("\n")
+        return (f"config has no field {name}{'; ' + hint.strip() if hint else ''} (every field is documented in "
+                "experiments/configs/base.py and the config file)")  # fmt: skip
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    detail = next((ln for ln in reversed(lines) if ln.startswith("[Errno")), lines[-1] if lines else repr(e))
+    path = next((ln for ln in lines if ln.endswith(".py")), "")
+    return f"config file {path + ': ' if path else ''}{detail}"
+
+
+def loaded_config(flag: Any) -> Any:
+    """The config of a `DEFINE_config_file` flag, or an `error:` line and exit 2 when its file did not load
+    (ml_collections defers that error to the first use of the config)."""
+    config = flag.value
+    try:
+        config.get("task")
+    except (OSError, AttributeError, TypeError, ValueError) as e:
+        print(f"error: {config_error(e)}", file=sys.stderr)
+        sys.exit(2)
+    return config

@@ -117,7 +117,8 @@ def _lm(config: ml_collections.ConfigDict) -> LMTask:
             bin_dtype=np.dtype(d.bin_dtype),
             max_files=d.max_files or None,
         )
-        data.batch_offsets(min(len(ds.train), len(ds.val)), 0, 0, config.seq_len)
+        for split, tokens in (("train", ds.train), ("val", ds.val)):  # the error names the split that is short
+            data.batch_offsets(len(tokens), 0, 0, config.seq_len, split=split)
     except (OSError, ValueError) as e:
         raise sk.ShardkitError(f"data.path={config.data.path or '(stdlib)'}: {e}") from e
     return LMTask(config, model_config(config, ds.vocab_size), ds)

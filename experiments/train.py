@@ -54,12 +54,18 @@ from experiments import data, runtime  # noqa: F401  (tests patch experiments.tr
 from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
 from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)
-from shardkit.checkpoint import Checkpointer, NonFiniteError
+from shardkit.checkpoint import Checkpointer, NonFiniteError, SaveError
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "gpt_tiny.py")
 with warnings.catch_warnings():  # ml_collections loads config files with the deprecated importlib load_module()
     warnings.simplefilter("ignore", DeprecationWarning)
-    _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "experiment config file (experiments/configs/)")
+    try:  # ml_collections applies `--config.x=...` overrides from sys.argv right here, at import
+        _CONFIG = config_flags.DEFINE_config_file(
+            "config", DEFAULT_CONFIG, "experiment config file (experiments/configs/)"
+        )
+    except (AttributeError, KeyError, OSError, TypeError, ValueError) as _e:
+        print(f"error: {runtime.config_error(_e)}", file=sys.stderr)
+        sys.exit(2)
 # Several processes by hand (a cluster's launcher usually sets these for you: see init_distributed).
 _COORD = flags.DEFINE_string("coordinator_address", "", "host:port of process 0 (sets JAX_COORDINATOR_ADDRESS)")
 _NPROC = flags.DEFINE_integer("num_processes", -1, "number of processes (sets JAX_NUM_PROCESSES)")
@@ -312,6 +318,7 @@ def _train(
             for s in range(start, config.steps):
                 batch = task.train_batch(step, s)
                 state, metrics = compiled(state, batch)  # dispatched: the host goes on while the devices work
+                ckpt.check()  # a background save that failed (disk full) stops the run here, last good step named
                 if pending:
                     log.emit(log.record(*pending, last_good()))
                 k, pending = s + 1, (s + 1, metrics)
@@ -376,10 +383,10 @@ def main(argv: Sequence[str]) -> None:
         if flag.value not in ("", -1):
             os.environ[var] = str(flag.value)
     try:
-        summary = train(_CONFIG.value)
+        summary = train(runtime.loaded_config(_CONFIG))
     except (sk.ShardkitError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, sk.ShardkitError) else 1)
+        print(f"error: {e}", file=sys.stderr)  # 2: the config or the input; 1: the run failed (NaN, disk full)
+        sys.exit(2 if isinstance(e, sk.ShardkitError) and not isinstance(e, SaveError) else 1)
     if summary["stopped"]:
         sys.exit(128 + signal.Signals[summary["stopped"]].value)
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import shardkit as sk
@@ -224,3 +225,15 @@ class GPT(nnx.Module):
 
     def loss(self, batch: dict[str, jax.Array]) -> jax.Array:
         return lm_loss(self, batch)
+
+    def validate_batch(self, batch: dict[str, jax.Array]) -> None:
+        """Token ids outside [0, vocab_size) would wrap (negative) or read past the embedding (NaN loss) silently
+        inside jit: the train step calls this before XLA (shardkit/train.py)."""
+        for key in ("inputs", "targets"):
+            if key in batch and jnp.issubdtype(batch[key].dtype, jnp.integer) and batch[key].size:
+                lo, hi = (int(f(batch[key])) for f in (np.min, np.max))
+                if lo < 0 or hi >= self.cfg.vocab_size:
+                    raise sk.ShardkitError(
+                        f"batch[{key!r}]: token ids must be in [0, vocab_size={self.cfg.vocab_size}), found "
+                        f"{lo}..{hi}; use a model vocab_size above the data's largest id (or fix the tokenizer)"
+                    )

@@ -27,8 +27,10 @@ Saving and restoring are collective: in a multi-process run every process calls 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -95,6 +97,11 @@ def _options(keep: int, async_save: bool, read_only: bool) -> ocp.CheckpointMana
     return ocp.CheckpointManagerOptions(**kw)
 
 
+class SaveError(ShardkitError):
+    """A checkpoint could not be written (disk full, permissions, ...). The last committed step is untouched;
+    training should stop there rather than go on without a way back."""
+
+
 class Checkpointer:
     """Checkpoints of a TrainState (plus a small JSON `meta` dict) in `directory/<step>/`, the last `keep` kept.
 
@@ -114,6 +121,8 @@ class Checkpointer:
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         options = _options(keep, async_save, read_only)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._pending: int | None = None  # the step an asynchronous save is writing
+        self._failed: SaveError | None = None
 
     # -------------------------------------------------------------------------------------------------- query
     def steps(self) -> list[int]:
@@ -140,9 +149,43 @@ class Checkpointer:
                 f"refusing to checkpoint step {step}: the state holds NaN or Inf; "
                 f"the last good checkpoint is step {self.latest_step()} in {self.directory}"
             )
+        self.check()  # an earlier asynchronous save that failed is reported as itself, not as this one
         meta = {**dict(meta or {}), _CHECKSUMS: checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        return bool(self._manager.save(step, args=args, force=True))
+        if self._pending is None:
+            self._pending = step  # (while an earlier save is pending, a failure inside this call is that one's)
+        with self._failures():
+            saved = bool(self._manager.save(step, args=args, force=True))
+        self._pending = step
+        return saved
+
+    def check(self) -> None:
+        """Raises SaveError if an asynchronous save has failed since (cheap: call it every step)."""
+        if self._failed is not None:
+            raise self._failed
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            with self._failures():  # the background save ended: collect its outcome (raises if it failed)
+                self._manager.wait_until_finished()
+            self._pending = None
+
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """Any error of orbax's writing (ENOSPC arrives as RESOURCE_EXHAUSTED) -> a SaveError naming the good step."""
+        try:
+            yield
+        except SaveError:
+            raise
+        except Exception as e:
+            text = str(e)
+            reason = ("the disk is full (No space left on device)" if "No space left" in text or "os_error_code='28'"
+                      in text else text.splitlines()[0][:300] if text else type(e).__name__)  # fmt: skip
+            good = self._manager.latest_step()
+            self._failed = SaveError(
+                f"saving checkpoint step {self._pending} in {self.directory} failed: {reason}. Training stopped; the "
+                f"last good checkpoint is {'step ' + str(good) if good is not None else 'none'} (kept). Free space or "
+                "fix the directory, then rerun the same command to resume from it"
+            )
+            raise self._failed from e
 
     # ------------------------------------------------------------------------------------------------ restore
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
@@ -243,12 +286,21 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------------ closing
     def wait(self) -> None:
-        """Blocks until an asynchronous save has committed."""
-        self._manager.wait_until_finished()
+        """Blocks until an asynchronous save has committed (SaveError if it failed)."""
+        with self._failures():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves, deletions and clean-ups, then releases orbax's threads."""
-        self._manager.wait_until_finished()
+        """Waits for pending saves, deletions and clean-ups, then releases orbax's threads. A failed save raises
+        SaveError here, once: after it was reported (by `save`, `check` or `wait`) closing only cleans up."""
+        reported = self._failed is not None
+        try:
+            with self._failures():
+                self._manager.wait_until_finished()
+        except SaveError:
+            if not reported:
+                self._manager.close()
+                raise
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:
@@ -271,4 +323,4 @@ def tmp_dirs(directory: str | os.PathLike[str]) -> list[str]:
         return []
 
 
-__all__ = ["TMP_MARKER", "Checkpointer", "NonFiniteError", "all_finite", "checksums", "tmp_dirs"]
+__all__ = ["TMP_MARKER", "Checkpointer", "NonFiniteError", "SaveError", "all_finite", "checksums", "tmp_dirs"]

@@ -29,6 +29,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -215,9 +216,16 @@ class TrainStep:
         m = self.microbatches if microbatches is None else microbatches
         leaves, treedef = jax.tree.flatten(batch)
         shapes = tuple(tuple(getattr(x, "shape", ())) for x in leaves)
-        if (treedef, shapes, m) not in self._checked:
+        first = (treedef, shapes, m) not in self._checked
+        if first:
             self.check_batch(batch, m)
             self._checked[treedef, shapes, m] = self.batch_shardings(batch)
+        # The model's own value checks (the GPT: token ids in [0, vocab)): host arrays every step (cheap), device
+        # arrays on a signature's first batch only (reading them back would stall the asynchronous dispatch).
+        validate = getattr(self._model, "validate_batch", None)
+        concrete = all(isinstance(x, np.ndarray | jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves)
+        if validate is not None and concrete and (first or any(isinstance(x, np.ndarray) for x in leaves)):
+            validate(batch)
         return (treedef, tuple(map(len, shapes))), self._checked[treedef, shapes, m]
 
     def _jit(self, key: Any, shardings: Any) -> Any:
