@@ -128,11 +128,13 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
 # ------------------------------------------------------------------------------------------------------ running
 class _Stop:
-    """SIGTERM (preemption) and a first Ctrl-C ask the loop to checkpoint and stop; a second Ctrl-C interrupts."""
+    """SIGTERM (preemption) and a first Ctrl-C ask the loop to checkpoint and stop; the stop's checkpoint commits
+    before the handlers are released, so a second quick Ctrl-C only warns and a third interrupts."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
         self._old: dict[int, Any] = {}
+        self._extra = 0  # Ctrl-C presses after the first, before its checkpoint has committed
 
     def __enter__(self) -> _Stop:
         with contextlib.suppress(ValueError):  # signal handlers only in the main thread
@@ -142,6 +144,11 @@ class _Stop:
 
     def _handle(self, sig: int, frame: Any) -> None:
         if self.signal == signal.SIGINT and sig == signal.SIGINT:
+            self._extra += 1
+            if self._extra == 1:  # two quick Ctrl-C during the first save used to lose the whole run
+                print("stopping: writing the checkpoint first; Ctrl-C once more abandons it", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                return
             raise KeyboardInterrupt
         self.signal = sig
 
@@ -331,6 +338,8 @@ def _train(
                     log.emit(rec)
                     if save:
                         ckpt.save(state, {"step": k, "where": info["where"], "seed": config.seed})
+                        if stop.signal:
+                            ckpt.wait()  # committed while a second Ctrl-C is still only a warning
                     log.t_last = time.perf_counter()
                 if stop.signal:
                     stopped = signal.Signals(stop.signal).name

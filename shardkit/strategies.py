@@ -90,7 +90,8 @@ class Strategy:
 
         Every required axis gets 2, `data` (when the strategy uses it without requiring it) 2, and the first
         required data-like axis (fsdp, data, else the last required one) the rest: fsdp -> data=2,fsdp=4,
-        tp -> data=2,tensor=4, fsdp_tp -> data=2,fsdp=2,tensor=2 on 8 devices. Without required axes (tp3d)
+        tp -> data=2,tensor=4, fsdp_tp -> data=2,fsdp=2,tensor=2 on 8 devices; an odd factor of the device count
+        goes to data, since model widths are powers of two (fsdp on 12: data=3,fsdp=4). Without required axes (tp3d)
         the axes the tables use get 2 each, in order, while devices remain.
         """
         used = [a for a in ("data", "fsdp", "tensor", "seq", "seq_u", "seq_r", "stage", "expert", "space",
@@ -110,6 +111,11 @@ class Strategy:
         if devices % _prod(out.values()):
             raise ShardkitError(f"strategy {self.name!r} needs mesh axes {list(out)}: {devices} devices do not split")
         out[rest] = devices // _prod(out.values())
+        if rest != "data" and "data" in out:  # model widths are powers of two: an odd factor goes to data alone
+            m = out[rest] * out["data"]
+            odd = m // (m & -m)  # 12 devices, fsdp: data=3,fsdp=4, not data=2,fsdp=6
+            if odd > 1:
+                out["data"], out[rest] = odd, m // odd
         return {a: n for a, n in out.items() if n > 1 or a in self.required_axes}
 
     def bind(self, mesh: Mesh) -> BoundStrategy:
