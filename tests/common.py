@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,3 +39,14 @@ def train(mesh, strategy, tx=None, steps=3, cfg=TINY, microbatches=1, batch=None
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params), step, state
+
+
+def override(config: Any, values: dict[str, Any]) -> Any:
+    """Sets dotted fields of an ml_collections config, as `--config.a.b=v` would: {"model.widths": (4, 8)}."""
+    for key, value in values.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config

@@ -144,7 +144,9 @@ def test_stdlib_corpus(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
 def test_bin_round_trip(tmp_path: Path, dtype: type) -> None:
-    toks = np.random.default_rng(0).integers(0, np.iinfo(dtype).max, 2000).astype(dtype)
+    # uint32: ids past uint16's range, below data.MAX_PLAUSIBLE_VOCAB (larger ones mean a uint16 file misread)
+    high = np.iinfo(dtype).max if dtype == np.uint16 else data.MAX_PLAUSIBLE_VOCAB
+    toks = np.random.default_rng(0).integers(0, high, 2000).astype(dtype)
     toks.astype(np.dtype(dtype).newbyteorder("<")).tofile(tmp_path / "all.bin")
     ds = data.load_dataset(tmp_path / "all.bin", bin_dtype=dtype)
     assert len(ds.val) == 100 and np.array_equal(np.concatenate([ds.train, ds.val]), toks)

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from common import override
 
 import shardkit as sk
 from experiments import plot, sample
@@ -47,15 +48,8 @@ TINY = {
 
 
 def make_config(tmp: Path, name: str, **overrides: Any) -> Any:
-    config = gpt_tiny.get_config()
-    for key, value in {**TINY, "run_dir": str(tmp / "runs"), "data.cache_dir": str(tmp / "data"), "name": name,
-                       **overrides}.items():  # fmt: skip
-        *parents, leaf = key.split(".")
-        node = config
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
+    paths = {"run_dir": str(tmp / "runs"), "data.cache_dir": str(tmp / "data"), "name": name}
+    return override(gpt_tiny.get_config(), {**TINY, **paths, **overrides})
 
 
 def metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from common import one_device_mesh
+from common import one_device_mesh, override
 from test_experiments import metrics
 
 import shardkit as sk
@@ -118,14 +118,7 @@ TINY = {
 
 
 def make_config(tmp: Path, name: str, **overrides: Any) -> Any:
-    config = resnet_digits.get_config()
-    for key, value in {**TINY, "run_dir": str(tmp / "runs"), "name": name, **overrides}.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
+    return override(resnet_digits.get_config(), {**TINY, "run_dir": str(tmp / "runs"), "name": name, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import one_device_mesh
+from common import one_device_mesh, override
 from jax import lax
 from test_experiments import metrics
 
@@ -268,14 +268,7 @@ VOLUME_TINY = {
 
 
 def _volume_config(module: Any, tmp: Path, name: str, **overrides: Any) -> Any:
-    config = module.get_config()
-    for key, value in {**VOLUME_TINY, "run_dir": str(tmp / "runs"), "name": name, **overrides}.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
+    return override(module.get_config(), {**VOLUME_TINY, "run_dir": str(tmp / "runs"), "name": name, **overrides})
 
 
 def test_cosmoflow_trains_from_the_cli_and_resumes_exactly(tmp_path: Path) -> None:
