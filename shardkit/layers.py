@@ -12,6 +12,7 @@ kernel table names another `layers` kernel (e.g. a pipeline schedule) gets the s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,23 +76,33 @@ DEFAULTS.setdefault("conv", "xla")
 DEFAULTS.setdefault("pool", "xla")
 
 
+def _mesh_axes(context: Any, axes: Sequence[str | None], name: str) -> tuple[tuple[str | None, ...], tuple[str, ...]]:
+    """(mesh axis per spatial dimension, batch mesh axes) of an activation named `axes` = (batch, *spatial,
+    channels) under the active compute rules; a spatial dimension split over several mesh axes is an error."""
+    resolve = lambda logical: tuple(a for a in (context.rules.get(logical) or ()) if a in context.mesh.shape)
+    spatial = []
+    for logical in axes[1:-1]:
+        found = resolve(logical) if logical else ()
+        if len(found) > 1:
+            raise ShardkitError(
+                f"{name}: {logical!r} maps to mesh axes {found}; a spatial dimension splits over one mesh axis "
+                "(e.g. space / space_h / space_w)"
+            )
+        spatial.append(found[0] if found else None)
+    return tuple(spatial), resolve(axes[0]) if axes[0] else ()
+
+
 def _split_plan(x: jax.Array, window: Any, strides: Any, dilation: Any, padding: Any, axes: Any, name: str,
                 context: Any, op: str) -> Any:  # fmt: skip
-    """Checks the GSPMD split of a conv / pool like the halo kernel's (shardkit/parallel/spatial.py)."""
+    """The checked split of a conv / pool (shardkit/parallel/spatial.py's constraints), None if nothing is split."""
     from shardkit.parallel import spatial
 
     if context is None:
         return None
-    spatial_axes = tuple(_single(context, a) for a in axes[1:-1])
+    spatial_axes, _ = _mesh_axes(context, axes, name)
     if not any(spatial_axes):
         return None
     return spatial.plan_layer(name, x.shape, window, strides, dilation, padding, spatial_axes, context.mesh, op=op)
-
-
-def _single(context: Any, logical: str | None) -> str | None:
-    """The one mesh axis a spatial name maps to (None if none; a split over several is left to GSPMD)."""
-    axes = [a for a in (context.rules.get(logical) or ()) if a in context.mesh.shape] if logical else []
-    return axes[0] if len(axes) == 1 else None
 
 
 def xla_conv_kernel(x: jax.Array, w: jax.Array, *, strides: Any, padding: Any, rhs_dilation: Any,
@@ -127,8 +138,44 @@ def xla_pool_kernel(x: jax.Array, *, window: Any, strides: Any, padding: Any, re
     return spatial._reduce_window(x, window, strides, pads, reduce)
 
 
+def halo_conv_kernel(x: jax.Array, w: jax.Array, *, strides: Any, padding: Any, rhs_dilation: Any,
+                     feature_group_count: int, precision: Any, axes: Any, name: str, context: Any,
+                     **more: Any) -> jax.Array:  # fmt: skip
+    """`sk.spatial.conv` over the mesh axes the rules give depth / height / width (xla_conv_kernel if none)."""
+    from shardkit.parallel import spatial
+
+    spatial_axes, batch = _mesh_axes(context, axes, name) if context is not None else ((), ())
+    if not any(spatial_axes):
+        return xla_conv_kernel(x, w, strides=strides, padding=padding, rhs_dilation=rhs_dilation,
+                               feature_group_count=feature_group_count, precision=precision, axes=axes, name=name,
+                               context=context, **more)  # fmt: skip
+    if axes[-1] and context.rules.get(axes[-1]):
+        raise ShardkitError(
+            f"{name}: the halo conv keeps channels whole, but {axes[-1]!r} maps to {context.rules[axes[-1]]}; "
+            "replicate it in the compute rules, or use the GSPMD conv kernel (kernels={'conv': 'xla'})"
+        )
+    return spatial.conv(x, w, mesh=context.mesh, spatial_axes=spatial_axes, strides=strides, padding=padding,
+                        rhs_dilation=rhs_dilation, batch_axes=batch, feature_group_count=feature_group_count,
+                        precision=precision, name=name)  # fmt: skip
+
+
+def halo_pool_kernel(x: jax.Array, *, window: Any, strides: Any, padding: Any, reduce: str, axes: Any, name: str,
+                     context: Any) -> jax.Array:  # fmt: skip
+    """`sk.spatial.pool` over the mesh axes the rules give depth / height / width (one reduce_window if none)."""
+    from shardkit.parallel import spatial
+
+    spatial_axes, batch = _mesh_axes(context, axes, name) if context is not None else ((), ())
+    if not any(spatial_axes):
+        return xla_pool_kernel(x, window=window, strides=strides, padding=padding, reduce=reduce, axes=axes,
+                               name=name, context=context)  # fmt: skip
+    return spatial.pool(x, window=window, strides=strides, mesh=context.mesh, spatial_axes=spatial_axes,
+                        reduce=reduce, padding=padding, batch_axes=batch, name=name)  # fmt: skip
+
+
 kernels.register("conv", "xla", xla_conv_kernel, description="one lax conv, partitioned by GSPMD")
 kernels.register("pool", "xla", xla_pool_kernel, description="one lax.reduce_window, partitioned by GSPMD")
+kernels.register("conv", "halo", halo_conv_kernel, description="explicit halo exchange (ppermute) + local conv")
+kernels.register("pool", "halo", halo_pool_kernel, description="explicit halo exchange (ppermute) + local pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,10 +243,8 @@ def _data_groups(batch: int, context: Any, name: str = "group") -> int:
     elif context is None:
         groups = 1
     else:
-        axes = [a for a in (context.rules.get("batch") or ()) if a in context.mesh.shape]
-        groups = 1
-        for a in axes:
-            groups *= context.mesh.shape[a]
+        batch_axes = [a for a in (context.rules.get("batch") or ()) if a in context.mesh.shape]
+        groups = math.prod(context.mesh.shape[a] for a in batch_axes)
     if groups < 1 or batch % groups:
         raise ShardkitError(f"BatchNorm statistics per group: batch {batch} does not split into {groups} groups")
     return groups

@@ -22,10 +22,10 @@ channels x dtype bytes (`halo_bytes`).
 
 x is `[batch, *spatial, channels]` (1 to 3 spatial dimensions), w `[*kernel, C_in, C_out]`, both global arrays;
 `padding`, `strides` and `rhs_dilation` mean what they mean in `lax.conv_general_dilated` / `lax.reduce_window`.
-The same kernels fill the `conv` and `pool` slots (`sk.layers.conv_fn` / `sk.layers.pool`) under the name
-"halo", where the spatial mesh axes come from the strategy's rules for `depth`, `height`, `width`. Every shape
-problem (a split that does not divide the volume at some layer, a halo larger than the local extent, ...) is a
-`ShardkitError` naming the layer, before XLA sees it.
+The same kernels fill the `conv` and `pool` slots (`sk.layers.conv_fn` / `sk.layers.pool`, shardkit/layers.py)
+under the name "halo", where the spatial mesh axes come from the strategy's rules for `depth`, `height`, `width`.
+Every shape problem (a split that does not divide the volume at some layer, a halo larger than the local
+extent, ...) is a `ShardkitError` naming the layer, before XLA sees it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from shardkit import kernels
 from shardkit.errors import ShardkitError
 
 Pads = tuple[tuple[int, int], ...]
@@ -371,63 +370,6 @@ def halo_bytes(plan: Plan, shape: Sequence[int], batch_degree: int, itemsize: in
         local[dim] += lo + hi
     return out
 
-
-# ------------------------------------------------------------------------------------------------------------
-# The "halo" kernels of the `conv` and `pool` slots: mesh axes from the active strategy's compute rules.
-
-
-def context_axes(ctx: Any, axes: Sequence[str | None], name: str) -> tuple[SpatialAxes, tuple[str, ...]]:
-    """(spatial mesh axes, batch mesh axes) of an activation named `axes` = (batch, *spatial, channels) under the
-    strategy's compute rules; ShardkitError if a dimension maps to several mesh axes or channels are sharded."""
-    if ctx is None:
-        return (None,) * (len(axes) - 2), ()
-    rules = ctx.rules
-    spatial = []
-    for logical in axes[1:-1]:
-        mesh_axes = tuple(a for a in (rules.get(logical) or ()) if a in ctx.mesh.shape) if logical else ()
-        if len(mesh_axes) > 1:
-            raise ShardkitError(
-                f"{name}: {logical!r} maps to mesh axes {mesh_axes}; the halo kernel splits a spatial dimension over "
-                "one mesh axis (use one, e.g. space / space_h / space_w)"
-            )
-        spatial.append(mesh_axes[0] if mesh_axes else None)
-    channels = axes[-1] and rules.get(axes[-1])
-    if channels:
-        raise ShardkitError(
-            f"{name}: the halo conv keeps channels whole, but {axes[-1]!r} maps to {channels}; replicate it in the "
-            "compute rules, or use the GSPMD conv kernel (kernels={'conv': 'xla'})"
-        )
-    batch = tuple(a for a in (rules.get(axes[0]) or ()) if a in ctx.mesh.shape) if axes[0] else ()
-    return tuple(spatial), batch
-
-
-def halo_conv_kernel(x: jax.Array, w: jax.Array, *, strides: Sequence[int], padding: Any, rhs_dilation: Any,
-                     feature_group_count: int, precision: Any, axes: Sequence[str | None], name: str,
-                     context: Any, **more: Any) -> jax.Array:  # fmt: skip
-    spatial, batch = context_axes(context, axes, name)
-    if context is None or not any(spatial):
-        from shardkit.layers import xla_conv_kernel
-
-        return xla_conv_kernel(x, w, strides=strides, padding=padding, rhs_dilation=rhs_dilation,
-                               feature_group_count=feature_group_count, precision=precision, axes=axes, name=name,
-                               context=context, **more)  # fmt: skip
-    return conv(x, w, mesh=context.mesh, spatial_axes=spatial, strides=strides, padding=padding,
-                rhs_dilation=rhs_dilation, batch_axes=batch, feature_group_count=feature_group_count,
-                precision=precision, name=name)  # fmt: skip
-
-
-def halo_pool_kernel(x: jax.Array, *, window: Sequence[int], strides: Sequence[int], padding: Any, reduce: str,
-                     axes: Sequence[str | None], name: str, context: Any) -> jax.Array:  # fmt: skip
-    spatial, batch = context_axes(context, axes, name)
-    if context is None or not any(spatial):
-        pads = resolve_padding(padding, x.shape[1:-1], window, strides, (1,) * len(window))
-        return _reduce_window(x, window, strides, pads, reduce)
-    return pool(x, window=window, strides=strides, mesh=context.mesh, spatial_axes=spatial, reduce=reduce,
-                padding=padding, batch_axes=batch, name=name)  # fmt: skip
-
-
-kernels.register("conv", "halo", halo_conv_kernel, description="explicit halo exchange (ppermute) + local conv")
-kernels.register("pool", "halo", halo_pool_kernel, description="explicit halo exchange (ppermute) + local pool")
 
 __all__ = ["SPATIAL_NAMES", "Exchange", "Plan", "conv", "halo", "halo_bytes", "plan_layer", "pool", "recording",
            "resolve_padding"]  # fmt: skip
