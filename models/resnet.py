@@ -8,18 +8,33 @@
 (Built directly, outside `sk.sharded_init`, it needs `with nnx.use_eager_sharding(False):`, Flax's default being
 to take `with_partitioning` names for mesh axes at creation.)
 
-Layout: a 3x3 conv stem, then one stage per entry of `widths`, each `blocks[i]` basic residual blocks (conv3x3 -
-BatchNorm - ReLU - conv3x3 - BatchNorm, + identity or a 1x1 projection, ReLU); every stage after the first halves
-height and width in its first block (stride 2). Global average pool, dropout, a dense classifier. Convolutions
-have no bias (BatchNorm follows each).
+Layout: a 3x3 conv stem, then one `Stage` per entry of `widths` (`model.stages[i]`), then global average pool,
+dropout and a dense classifier. Each stage holds `blocks[i]` basic residual blocks (conv3x3 - BatchNorm - ReLU -
+conv3x3 - BatchNorm, + identity or a 1x1 projection, ReLU) as two modules:
+
+    stages/i/first   one BasicBlock c_in -> c; stride 2 in every stage after the first (halving height and width),
+                     with a 1x1 projection + BatchNorm on the shortcut when the shape changes
+    stages/i/stack   the other blocks[i] - 1 blocks (identity shortcut, c -> c, stride 1) as ONE BasicBlock whose
+                     parameters and BatchNorm statistics all have a leading stacked dimension named `layers`
+                     (absent, None, when blocks[i] == 1)
+
+The identical blocks of a stage are stacked so that they run as one `lax.scan` (compile time flat in depth, as the
+GPT's `layers`) and so that a strategy can find them by the logical name `layers`: Subnetwork Data Parallelism
+gives each device a subset of a stage's stacked blocks and merges the model with that shorter stack, which is why
+the scan's length is the stack's leading dimension, never `cfg.blocks`. In training the scan returns each block's
+updated running statistics and writes them back, exactly as the blocks run one by one would; in eval mode
+(`model.eval()`) the running statistics are used and left as they are. Convolutions have no bias (BatchNorm
+follows each).
 
 Every parameter is named through `nnx.with_partitioning`, as Flax writes names: conv kernels
 `(None, None, None, "channels")` (their output channels), BatchNorm scale / bias `("channels",)`, the head
-`("channels", "classes")` + bias `("classes",)`. Activations are pinned to `(batch, height, width, channels)` after
-every block (`sk.constrain`, a no-op outside a train step), so a strategy that shards `channels` (`tp_channels`)
-keeps them sharded between the blocks. BatchNorm's running statistics (`nnx.BatchStat`) and dropout's RNG
-counter are model state that `make_train_step` carries in `state.model_state`. Which mesh axes any of these
-names go to is the strategy's business: no mesh axis appears here.
+`("channels", "classes")` + bias `("classes",)`; inside a stage's `stack` every variable's names start with
+`layers` (Flax's `out_sharding` metadata, which `sk.state_logical_axes` reads), its BatchNorm statistics, unnamed
+elsewhere, included: `("layers", None)`. Activations are pinned to `(batch, height, width, channels)` after every
+block (`sk.constrain`, a no-op outside a train step), so a strategy that shards `channels` (`tp_channels`) keeps
+them sharded between the blocks. BatchNorm's running statistics (`nnx.BatchStat`) and dropout's RNG counter are
+model state that `make_train_step` carries in `state.model_state`. Which mesh axes any of these names go to is
+the strategy's business: no mesh axis appears here.
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import shardkit as sk
-from models.axes import BATCH
+from models.axes import BATCH, LAYERS
 
 HEIGHT, WIDTH, CHANNELS, CLASSES = "height", "width", "channels", "classes"
 #: Logical names of a batch `{"image": f32[B, H, W, C], "label": int32[B]}`. The image's own (input) channel
@@ -122,6 +137,47 @@ class BasicBlock(nnx.Module):
         return sk.constrain(nnx.relu(h + skip), _ACT)
 
 
+def _stack_blocks(cfg: ResNetConfig, c: int, n: int, rngs: nnx.Rngs) -> BasicBlock:
+    """n identity blocks (c -> c, stride 1) as one BasicBlock whose variables have a leading `layers` dimension:
+    created under vmap from n split keys (as models/gpt.py's `_stack_blocks`), then `layers` is prepended to the
+    names of every variable, Params (Flax's `out_sharding`, from `with_partitioning`) and BatchStats alike."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: BasicBlock(cfg, c, c, 1, rngs=nnx.Rngs(0))))
+    keys = jax.random.split(rngs.params(), n)
+    states = jax.vmap(lambda key: nnx.split(BasicBlock(cfg, c, c, 1, rngs=nnx.Rngs(params=key)))[1])(keys)
+    stack = nnx.merge(graphdef, states)
+    for _, var in nnx.iter_graph(stack):
+        if isinstance(var, nnx.Variable):
+            names = var.get_metadata().get("out_sharding") or (None,) * (var.get_value().ndim - 1)
+            var.set_metadata("out_sharding", (LAYERS, *names))
+    return stack
+
+
+class Stage(nnx.Module):
+    """`first` (BasicBlock c_in -> c_out at `stride`), then `stack`: n - 1 stacked identity blocks (None if n == 1)."""
+
+    def __init__(self, cfg: ResNetConfig, c_in: int, c_out: int, stride: int, n: int, *, rngs: nnx.Rngs):
+        self.first = BasicBlock(cfg, c_in, c_out, stride, rngs=rngs)
+        self.stack = _stack_blocks(cfg, c_out, n - 1, rngs) if n > 1 else nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.first(x)
+        if self.stack is None:
+            return x
+        graphdef, stacked = nnx.split(self.stack)  # Params + BatchStats, each [L, ...]
+        train = not self.stack.norm1.use_running_average
+
+        def body(x: jax.Array, layer: nnx.State) -> tuple[jax.Array, nnx.State | None]:
+            block = nnx.merge(graphdef, layer)
+            x = block(x)  # constrained to _ACT inside
+            return x, nnx.state(block, nnx.BatchStat) if train else None
+
+        # The length is the stack's leading dimension (SDP merges a stack of k < blocks[i] - 1 blocks).
+        x, stats = jax.lax.scan(body, x, stacked)
+        if train:  # each block's running statistics, updated from its own batch statistics
+            nnx.update(self.stack, stats)
+        return x
+
+
 class ResNet(nnx.Module):
     """ResNet(cfg, rngs=nnx.Rngs(0))(images f32[batch, height, width, in_channels]) -> logits f32[batch, classes]."""
 
@@ -131,12 +187,11 @@ class ResNet(nnx.Module):
         self.cfg = cfg
         w0 = cfg.widths[0]
         self.stem, self.stem_norm = _conv(cfg, cfg.in_channels, w0, 3, 1, rngs), _norm(cfg, w0, rngs)
-        blocks, c_in = [], w0
+        stages, c_in = [], w0
         for i, (w, n) in enumerate(zip(cfg.widths, cfg.blocks, strict=True)):
-            for j in range(n):
-                blocks.append(BasicBlock(cfg, c_in, w, 2 if i > 0 and j == 0 else 1, rngs=rngs))
-                c_in = w
-        self.blocks = nnx.List(blocks)
+            stages.append(Stage(cfg, c_in, w, 2 if i > 0 else 1, n, rngs=rngs))
+            c_in = w
+        self.stages = nnx.List(stages)
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.head = nnx.Linear(
             c_in, cfg.num_classes, kernel_init=_named(nnx.initializers.lecun_normal(), CHANNELS, CLASSES),
@@ -146,8 +201,8 @@ class ResNet(nnx.Module):
     def __call__(self, images: jax.Array) -> jax.Array:
         x = images.astype(jnp.dtype(self.cfg.dtype))
         x = sk.constrain(nnx.relu(self.stem_norm(self.stem(x))), _ACT)
-        for block in self.blocks:
-            x = block(x)
+        for stage in self.stages:
+            x = stage(x)
         pooled = x.astype(jnp.promote_types(x.dtype, jnp.float32)).mean(axis=(1, 2))  # [batch, channels]
         return self.head(self.dropout(pooled))
 

@@ -49,6 +49,8 @@ class Strategy:
     collectives: str = ""  # what it compiles to, for the README table and explain()
     #: slot -> kernel name (shardkit/kernels.py), e.g. {"attention": "ring:zigzag", "layers": "scan", "conv": ...}
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: subnetwork data parallelism's configuration (shardkit/parallel/sdp.py SDPConfig); None for the others
+    sdp: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_rules", normalize_rules(self.param_rules))

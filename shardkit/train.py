@@ -22,6 +22,7 @@ compute dtype; parameters, gradients, the loss and the optimizer stay fp32.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -289,16 +290,24 @@ class TrainStep:
 
     # ------------------------------------------------------------------------------------------- the step
     @contextlib.contextmanager
-    def _tracing(self, rules: dict[str, Any]) -> Iterator[None]:
-        """shardkit's compute rules and kernels, and Flax's logical rules (for nn.with_logical_constraint)."""
+    def _tracing(self, rules: dict[str, Any], local: bool = False) -> Iterator[None]:
+        """shardkit's compute rules and kernels, and Flax's logical rules (for nn.with_logical_constraint).
+
+        `local`: inside a `shard_map` manual over every mesh axis (subnetwork data parallelism), where each device
+        computes on its own shard: every logical name replicated, on the abstract mesh."""
+        if local:
+            with use_rules(jax.sharding.get_abstract_mesh(), dict.fromkeys(rules), kernels=self.strategy.kernels):
+                yield
+            return
         with use_rules(self.mesh, rules, kernels=self.strategy.kernels), flax_rules(self.mesh, rules):
             yield
 
     def _apply(
-        self, params: Any, model_state: Any, batch: Batch, rules: dict[str, Any] | None = None, train: bool = True
-    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
+        self, params: Any, model_state: Any, batch: Batch, rules: dict[str, Any] | None = None, train: bool = True,
+        local: bool = False,
+    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:  # fmt: skip
         """loss, (metrics, new model state) of loss_fn on the merged model."""
-        with self._tracing(rules or self.bound.compute_rules):
+        with self._tracing(rules or self.bound.compute_rules, local):
             model = nnx.merge(self.graphdef, params, self._wrap(model_state))
             model.train() if train else model.eval()
             out = self.loss_fn(model, batch)
@@ -383,9 +392,47 @@ class TrainStep:
         updates = jax.lax.with_sharding_constraint(updates, self.update_shardings)
         params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), self.param_shardings)
         model_state = jax.lax.with_sharding_constraint(model_state, self.model_state_shardings)
-        metrics = {**aux, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {**aux, "loss": loss, "grad_norm": global_norm(grads)}
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new, metrics
+
+
+#: Per-leaf weights of the gradient's norm while a step traces its update: None (every element once), or, for a
+#: layout that stores a parameter once per holder (subnetwork data parallelism), 1 / holder count.
+_NORM_WEIGHTS: contextvars.ContextVar[Any] = contextvars.ContextVar("shardkit_norm_weights", default=None)
+
+
+@contextlib.contextmanager
+def norm_weights(weights: Any) -> Iterator[None]:
+    """`global_norm` (and so `clip_by_global_norm`) weights each leaf by `weights` (a matching pytree) here."""
+    token = _NORM_WEIGHTS.set(weights)
+    try:
+        yield
+    finally:
+        _NORM_WEIGHTS.reset(token)
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """The L2 norm of the model's gradient `tree`: optax.tree.norm, or under `norm_weights` sqrt(sum w x^2), so
+    that a parameter stored once per holder is counted once."""
+    weights = _NORM_WEIGHTS.get()
+    if weights is None:
+        return optax.tree.norm(tree)
+    squares = jax.tree.map(lambda x, w: jnp.sum(w * jnp.square(x.astype(jnp.float32))), tree, weights)
+    return jnp.sqrt(sum(jax.tree.leaves(squares), start=jnp.zeros((), jnp.float32)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm with the norm of `global_norm`: the same update for every strategy, including
+    those that store a parameter on several devices (SDP's holders)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        norm = global_norm(updates)
+        trigger = jnp.squeeze(norm < max_norm)
+        clipped = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates)
+        return clipped, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def make_train_step(
@@ -399,11 +446,29 @@ def make_train_step(
     microbatches: int = 1,
     donate: bool = True,
 ) -> TrainStep:
-    """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`."""
+    """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`.
+
+    A subnetwork-data-parallel strategy (`sk.sdp.strategy(...)`, `Strategy.sdp` set) gets its own step class
+    (shardkit/parallel/sdp.py) with the same interface."""
+    if get_strategy(strategy).sdp is not None:
+        from shardkit.parallel.sdp import SDPTrainStep
+
+        return SDPTrainStep(
+            model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
+            donate=donate,
+        )  # fmt: skip
     return TrainStep(
         model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
         donate=donate,
     )  # fmt: skip
 
 
-__all__ = ["TrainState", "TrainStep", "cross_entropy", "make_train_step"]
+__all__ = [
+    "TrainState",
+    "TrainStep",
+    "clip_by_global_norm",
+    "cross_entropy",
+    "global_norm",
+    "make_train_step",
+    "norm_weights",
+]
