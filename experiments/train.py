@@ -104,6 +104,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
         if key in config and config[key] < 0:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 0")
     strategy = sk.strategy(config.strategy)
+    if strategy.sdp is not None:  # --config.sdp.coverage=0.25 ... (experiments/configs/base.py)
+        strategy = sk.sdp.strategy(**config.sdp.to_dict())
     if strategy.layers.startswith("pipeline") and config.get("pipeline"):  # schedule / microbatches flags
         pp = config.pipeline
         v = f":{pp.virtual_stages}" if pp.virtual_stages else ""
@@ -263,6 +265,8 @@ def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], No
         where += " (auto: --config.mesh=... to choose)"
     say(f"shardkit: {run.dir} | {where} | {n_dev} x {jax.devices()[0].device_kind}, {jax.process_count()} process(es)")
     say(f"  strategy {step.strategy.name}: {step.strategy.description}")
+    if getattr(step, "describe", None):  # sdp: the ownership, what each device stores and sends
+        step.describe(say)
     info = run.task.describe(say)
     preset = run.preset
     peak = config.peak_flops or (preset.peak_flops if preset else 0.0)

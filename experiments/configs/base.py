@@ -18,9 +18,19 @@ def get_config() -> ml_collections.ConfigDict:
     c.peak_flops = 0.0  # per-device peak FLOP/s override; 0 = the preset's (measured at start-up on CPU)
     c.mesh = "auto"  # "auto": a mesh the strategy fits (fsdp: data=2,fsdp=4 on 8 devices; printed); "axis=degree,..."
     #                  (one degree may be -1), a preset name, or "" = the preset's mesh
-    c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp | pp* (see shardkit/strategies.py)
+    c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp | pp* | sdp (shardkit/strategies.py)
     c.kernels = ""  # kernel slots over the strategy's: "slot=name,..." e.g. "norm=group" (per-group BatchNorm),
     #                 "conv=halo,pool=halo", "attention=ring:zigzag" (shardkit/kernels.py; listed when one is unknown)
+    c.sdp = ml_collections.ConfigDict()  # strategy=sdp only: subnetwork data parallelism (shardkit/parallel/sdp.py)
+    c.sdp.granularity = "block"  # block (whole layers of a stack) | neuron (groups of hidden units, `units`)
+    c.sdp.coverage = 0.5  # fraction of the blocks (or unit groups) each worker holds; a multiple of 1/blocks
+    c.sdp.masking = "forward"  # forward (subnetwork alone; memory = coverage) | backward (full forward, masked grads)
+    c.sdp.ownership = "cyclic"  # cyclic (equal holder counts, ring averaging) | random (seeded, masked all-reduce)
+    c.sdp.seed = 0  # ownership="random"'s seed
+    c.sdp.units = ""  # the split logical name: "" = layers (block) / mlp (neuron)
+    c.sdp.groups = 0  # neuron: unit groups per layer; 0 = one per worker
+    c.sdp.reduce = "auto"  # holder averaging: auto | ring | psum
+    c.sdp.eval = "subnetworks"  # forward masking's validation: subnetworks (what trained) | full (every block)
     c.microbatches = 1  # gradient accumulation: batch_size is split into this many sequential microbatches
     c.pipeline = ml_collections.ConfigDict()  # pp* strategies only (shardkit/pipeline.py); not accumulation
     c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | circular

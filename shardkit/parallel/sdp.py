@@ -27,8 +27,13 @@ Masking:
   the same update. This keeps the paper's unbiased-gradient property; it saves no memory or bytes (those are
   forward masking's), and XLA computes every layer's weight gradient inside the scan before the mask.
 
-Evaluation (`step.evaluate`, `step.model(state)`) runs the full network; the split parameters are read from
-their first holder (all holders are bit-identical, see `holder_spread`).
+Evaluation: `step.evaluate(state, batch)` under forward masking averages the subnetworks' losses (each worker its
+own on its shard of the batch: what was trained; `eval="subnetworks"`, the default) or runs the full network
+(`eval="full"`). The full network runs blocks together that never trained together: for a GPT (pre-norm) it
+evaluates close to the subnetworks, for a post-activation ResNet with BatchNorm it does not (stochastic depth
+rescales the residual branches at test time for this reason; the SDP paper's rule was not found). Backward
+masking trains the full network and evaluates it. `step.model(state)` / `step.full_params(state)` give the full
+network, each split array read from its first holder (all holders are bit-identical).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardkit import batch as batching
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes
 from shardkit.strategies import register_strategy
@@ -70,10 +76,13 @@ class SDPConfig:
     units: str = ""  # the split logical name: "" = "layers" for block, "mlp" for neuron
     groups: int = 0  # neuron: unit groups per layer (0 = one per worker)
     reduce: str = "auto"  # holder averaging: "ring" (cyclic tables), "psum", "auto" (ring when it applies)
+    #: forward masking's evaluation: "subnetworks" (each worker's subnetwork on its shard of the batch, the mean:
+    #: what was trained) or "full" (the whole network, every block; backward masking always evaluates it)
+    eval: str = "subnetworks"
 
     def __post_init__(self) -> None:
         for field, allowed in (("granularity", GRANULARITIES), ("masking", MASKINGS), ("ownership", OWNERSHIPS),
-                               ("reduce", REDUCTIONS)):  # fmt: skip
+                               ("reduce", REDUCTIONS), ("eval", ("subnetworks", "full"))):  # fmt: skip
             if getattr(self, field) not in allowed:
                 raise ShardkitError(f"sdp {field}={getattr(self, field)!r}: choose one of {', '.join(allowed)}")
         if not 0 < self.coverage <= 1:
@@ -89,6 +98,7 @@ class SDPConfig:
 def strategy(
     granularity: str = "block", coverage: float = 0.5, masking: str = "forward", ownership: str = "cyclic",
     seed: int = 0, *, axis: str = "data", units: str = "", groups: int = 0, reduce: str = "auto",
+    eval: str = "subnetworks",
 ) -> Any:  # fmt: skip
     """The `sdp` strategy: data parallelism's rules tables plus the subnetwork configuration (`Strategy.sdp`).
 
@@ -96,7 +106,8 @@ def strategy(
     `sk.strategy("sdp")` is this with its defaults (block, coverage 1/2, forward, cyclic)."""
     from shardkit.strategies import strategy as named
 
-    cfg = SDPConfig(granularity, float(coverage), masking, ownership, int(seed), axis, units, int(groups), reduce)
+    cfg = SDPConfig(granularity, float(coverage), masking, ownership, int(seed), axis, units, int(groups), reduce,
+                    eval)  # fmt: skip
     desc = (f"subnetwork data parallelism: {cfg.granularity}-level, coverage {cfg.coverage:g}, {cfg.masking} "
             f"masking, {cfg.ownership} ownership; shared parameters data-parallel")  # fmt: skip
     return named("dp").replace(
@@ -422,7 +433,7 @@ class SDPTrainStep(TrainStep):
         self.splits = find_splits(self.param_names, full, cfg, w, "parameter")
         forward = cfg.masking == "forward"
         names = state_logical_axes(rest_state, require=False)
-        rest_shapes = jax.eval_shape(lambda: self._unwrap(nnx.to_pure_dict(rest_state)))
+        rest_shapes = jax.eval_shape(self._unwrap, nnx.to_pure_dict(rest_state))  # an abstract model's too
         no_split = jax.tree.map(lambda _: None, names, is_leaf=lambda x: isinstance(x, tuple))
         self.state_splits = find_splits(names, rest_shapes, cfg, w, "model state") if forward else no_split
         groups = sorted({s.groups for s in jax.tree.leaves(self.splits, is_leaf=_is_split) if _is_split(s)})
@@ -522,7 +533,7 @@ class SDPTrainStep(TrainStep):
     def abstract_state(self) -> TrainState:
         if self.cfg.masking == "backward":
             return super().abstract_state()
-        rest = jax.eval_shape(lambda: self.to_layout(self._unwrap(self._rest), self.state_splits))
+        rest = jax.eval_shape(lambda r: self.to_layout(self._unwrap(r), self.state_splits), self._rest)
         shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self._layout_abstract,
                             jax.eval_shape(self.tx.init, self._layout_abstract), rest)  # fmt: skip
         return jax.tree.map(
@@ -537,7 +548,22 @@ class SDPTrainStep(TrainStep):
         return super().model(params, model_state)
 
     def evaluate(self, state: Any, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(loss, metrics) of the full network in evaluation mode."""
+        """(loss, metrics) in evaluation mode: of the subnetworks (each worker's on its batch shard, averaged) or
+        of the full network (`eval="full"`, and always under backward masking)."""
+        if self.cfg.masking == "forward" and self.cfg.eval == "subnetworks":
+            if not isinstance(state, TrainState):
+                raise ShardkitError("sdp evaluation of the subnetworks needs the TrainState: step.evaluate(state, b)")
+            _check_alive(state, "this state")
+            key, shardings = self._prepared(batch, microbatches=1)
+            if ("sub", key) not in self._evals:
+                specs = jax.tree.map(lambda s: s.spec, shardings)
+                fn = jax.shard_map(
+                    self._local_eval, mesh=self.mesh, check_vma=False, out_specs=P(),
+                    in_specs=(self._specs(self.splits, state.params), self._specs(self.state_splits,
+                              state.model_state), specs),
+                )  # fmt: skip
+                self._evals["sub", key] = jax.jit(fn)
+            return self._evals["sub", key](state.params, state.model_state, batching.place(batch, shardings))
         if isinstance(state, TrainState):
             _check_alive(state, "this state")
             params, model_state = self.full_params(state)
@@ -604,6 +630,14 @@ class SDPTrainStep(TrainStep):
         metrics = {name: done[f"m{name}"] for name in metrics}
         return grads, new_state, metrics
 
+    def _local_eval(self, params: Any, model_state: Any, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One worker's subnetwork in evaluation mode on its batch shard; loss and metrics averaged over workers."""
+        params = _map(lambda s, x: x if s is None else s.from_groups(x[0]), self.splits, params)
+        model_state = _map(lambda s, x: x if s is None else s.from_groups(x[0]), self.state_splits, model_state)
+        loss, (aux, _) = self._apply(params, model_state, batch, train=False, local=True)
+        out = jax.lax.pmean({"loss": loss, **aux}, self.cfg.axis)
+        return out.pop("loss"), out
+
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         batch_specs = jax.tree.map(lambda s: s.spec, self.batch_shardings(batch))
         param_specs = self._specs(self.splits, state.params)
@@ -625,6 +659,21 @@ class SDPTrainStep(TrainStep):
         return new, metrics
 
     # ------------------------------------------------------------------------------------------- costs
+    def describe(self, say: Any = print) -> None:
+        """Prints the ownership and what a device stores and sends per step (the CLI's header)."""
+        c = self.bytes_per_step()
+        split, shared = c["split_elements"], c["shared_elements"]
+        for g, table in self.tables.items():
+            held = ", ".join(f"w{w}:{list(map(int, s))}" for w, s in enumerate(self.slots[g][:4]))
+            more = ", ..." if self.workers > 4 else ""
+            say(f"  sdp: {g} {'blocks' if self.cfg.granularity == 'block' else 'unit groups'}, {table.sum(axis=0)[0]}"
+                f" holders each; worker: blocks held {held}{more}; holder averaging by {self.reduction[g]}")  # fmt: skip
+        frac = (shared + split * self.cfg.coverage) / (shared + split) if self.cfg.masking == "forward" else 1.0
+        say(f"  sdp: {split / 1e6:.2f}M split + {shared / 1e6:.2f}M shared parameters; a device stores {frac:.0%} "
+            f"of them; sends {(c['permute_bytes'] + c['ring_all_reduce_bytes']) / 2**20:.2f} MiB per step")  # fmt: skip
+        if self.cfg.masking == "forward":
+            say("  sdp: MFU below counts the full network's FLOPs; each device computes only its subnetwork")
+
     def bytes_per_step(self, dtype_bytes: int = 4) -> dict[str, Any]:
         """Per-device collectives of one step by formula: {"permutes", "permute_bytes", "all_reduce_bytes", ...}."""
         full = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(self._model)[1]))
