@@ -239,7 +239,7 @@ def explain(
     colls = hlo.collectives(compiled, mesh)
     ma = compiled.memory_analysis()
     get = lambda k: int(getattr(ma, k, 0) or 0)
-    params = _tree_bytes(state.params, step.param_shardings, sizes)
+    params = _tree_bytes(state.params, step.state_shardings.params, sizes)  # SDP: its [workers, k, ...] layout
     opt = _tree_bytes(state.opt_state, step.opt_shardings, sizes)
     args, outs, alias, temp = (get(f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp"))
     memory = dict(parameters=params, optimizer_state=opt, temporaries=temp, outputs=outs, arguments=args,
@@ -254,7 +254,8 @@ def explain(
                      "the cost model's CPU backend predicts the same")  # fmt: skip
     if getattr(step, "microbatches", 1) > 1:
         notes.append(f"{step.microbatches} microbatches: predictions assume none (one gradient reduction per step)")
-    pred = predict(step.strategy.name, cfg, sizes, shapes, nbytes, backend)
+    own = getattr(step, "predict_costs", None)  # a step that knows its own collectives (SDP's holder averaging)
+    pred = own(state, backend) if own else predict(step.strategy.name, cfg, sizes, shapes, nbytes, backend)
     if pred is None:
         pred = predict_from_rules(step, state, backend)
         notes.append(f"no cost model of {type(getattr(step, '_model', None)).__name__}'s activations for "

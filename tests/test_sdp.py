@@ -183,6 +183,12 @@ def test_memory_is_coverage_of_dp_and_collectives_match_the_formula():
     # one all-reduce: the shared gradients and the loss packed together (the grad norm's scalars ride along)
     assert 0 <= colls["all-reduce"].result_bytes - 4 * counts["all_reduce_elements"] <= 4 * 8
     assert colls["all-reduce"].count == 1 and set(colls) == {"collective-permute", "all-reduce"}
+    # sk.explain predicts the same by formula (the compiled all-reduce also carries the grad norm's few scalars)
+    report = sk.explain(sdp[0], sdp[0].init_state(_gpt(mesh, sk.sdp.strategy(coverage=0.5))), batch)
+    for (kind, axis), (n, b) in report.predicted_comms.items():
+        got = [c for c in report.collectives if c.kind == kind and c.axes == (axis,) and c.result_bytes > 64]
+        assert len(got) == 1 and got[0].count == n and got[0].bytes_sent == pytest.approx(b, rel=0.02), kind
+    assert report.memory["parameters"] == report.predicted_memory["params"]
     # random ownership: no ring; one masked all-reduce of every block + the shared part, no permute
     q_step, _, q_compiled = out["q"]
     q = {c.kind: c for c in sk.hlo.collectives(q_compiled, mesh) if c.result_bytes > 64}

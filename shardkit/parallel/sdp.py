@@ -666,13 +666,34 @@ class SDPTrainStep(TrainStep):
         for g, table in self.tables.items():
             held = ", ".join(f"w{w}:{list(map(int, s))}" for w, s in enumerate(self.slots[g][:4]))
             more = ", ..." if self.workers > 4 else ""
-            say(f"  sdp: {g} {'blocks' if self.cfg.granularity == 'block' else 'unit groups'}, {table.sum(axis=0)[0]}"
-                f" holders each; worker: blocks held {held}{more}; holder averaging by {self.reduction[g]}")  # fmt: skip
+            what = "blocks" if self.cfg.granularity == "block" else "unit groups"
+            say(f"  sdp: {g} {what}, {table.sum(axis=0)[0]} holders each; worker: {what} held {held}{more}; holder "
+                f"averaging by {self.reduction[g]}")  # fmt: skip
         frac = (shared + split * self.cfg.coverage) / (shared + split) if self.cfg.masking == "forward" else 1.0
         say(f"  sdp: {split / 1e6:.2f}M split + {shared / 1e6:.2f}M shared parameters; a device stores {frac:.0%} "
             f"of them; sends {(c['permute_bytes'] + c['ring_all_reduce_bytes']) / 2**20:.2f} MiB per step")  # fmt: skip
         if self.cfg.masking == "forward":
             say("  sdp: MFU below counts the full network's FLOPs; each device computes only its subnetwork")
+
+    def predict_costs(self, state: TrainState, backend: str) -> tuple[dict, dict[str, float], str]:
+        """`sk.explain`'s prediction: {(kind, axis): (count, bytes sent per device)}, memory per device, source.
+
+        Collectives by `bytes_per_step`'s closed form; parameter and gradient memory = shared + k / G of each split
+        array (forward masking) or everything (backward); optimizer state from its layout."""
+        nbytes = int(np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize)
+        c = self.bytes_per_step(nbytes)
+        axis = self.cfg.axis
+        comms = {("all-reduce", axis): (1, c["ring_all_reduce_bytes"])}
+        if c["permutes"]:
+            comms["collective-permute", axis] = (c["permutes"], float(c["permute_bytes"]))
+        k = self.cfg.coverage if self.cfg.masking == "forward" else 1.0
+        params = nbytes * (c["shared_elements"] + k * c["split_elements"])
+        deg = lambda sh: self.workers if sh.spec and sh.spec[0] == axis else 1
+        opt = sum(x.size * x.dtype.itemsize / deg(sh) for x, sh in
+                  zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(self.opt_shardings), strict=True))  # fmt: skip
+        source = (f"shardkit.parallel.sdp ({self.cfg.granularity}, coverage {self.cfg.coverage:g}, "
+                  f"{self.cfg.masking}, {'/'.join(sorted(set(self.reduction.values())))} holder averaging)")  # fmt: skip
+        return comms, {"params": params, "grads": params, "optimizer": opt}, source
 
     def bytes_per_step(self, dtype_bytes: int = 4) -> dict[str, Any]:
         """Per-device collectives of one step by formula: {"permutes", "permute_bytes", "all_reduce_bytes", ...}."""
