@@ -691,8 +691,9 @@ class SDPTrainStep(TrainStep):
         deg = lambda sh: self.workers if sh.spec and sh.spec[0] == axis else 1
         opt = sum(x.size * x.dtype.itemsize / deg(sh) for x, sh in
                   zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(self.opt_shardings), strict=True))  # fmt: skip
+        how = "/".join(sorted(set(self.reduction.values())))
         source = (f"shardkit.parallel.sdp ({self.cfg.granularity}, coverage {self.cfg.coverage:g}, "
-                  f"{self.cfg.masking}, {'/'.join(sorted(set(self.reduction.values())))} holder averaging)")  # fmt: skip
+                  f"{self.cfg.masking}, {how} holder averaging)")  # fmt: skip
         return comms, {"params": params, "grads": params, "optimizer": opt}, source
 
     def bytes_per_step(self, dtype_bytes: int = 4) -> dict[str, Any]:
