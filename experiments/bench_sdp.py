@@ -20,12 +20,20 @@ N-step run: one training per variant, evaluated at N and at N / c.
 
 Measured per run: per-device bytes of params + optimizer state (`addressable_shards[0]`), `memory_analysis()`
 argument + temp bytes of the compiled step, collective bytes sent per device per step from the compiled HLO
-(`shardkit.hlo.collectives`; for SDP also `step.bytes_per_step()`'s formula), median step time after warm-up,
-validation loss (+ accuracy) of the full network (`step.evaluate`), and the loss curves. The table gives ratios
-to dp. SDP's training loss is the mean of the workers' *subnetwork* losses. The 8 devices share this host's cores,
-so step times measure total work (which forward masking cuts), not a real cluster's critical path.
-Writes experiments/results/bench_sdp.json (config and all raw numbers) and bench_sdp.png (curves). --quick: a few
-steps per run, a seconds-long smoke test of every code path (numbers meaningless).
+(`shardkit.hlo.collectives`; for SDP also `step.bytes_per_step()`'s formula, which counts parameters only, not the
+ResNet's BatchNorm statistics), median step time after --warmup steps, validation loss (+ accuracy) every
+--eval_every steps, and the training-loss curve. The table gives ratios to dp. Validation is of the full network
+("val": `step.evaluate` of a step built with eval="full", the model one would deploy) and, for forward masking,
+also SDP's default evaluation ("sub": each worker's subnetwork on its 1/8 of the held-out set, averaged: what was
+trained). SDP's training loss, likewise, is the mean of the subnetworks' losses. A ResNet block's BatchNorm
+statistics are estimated on subnetwork activations, which the full network does not reproduce (sdp.py docstring).
+The 8 devices share this host's cores, so step times measure total work (which forward masking cuts), not a real
+cluster's critical path; another busy process on the host skews them.
+
+Defaults (N = 150 GPT, 120 ResNet steps): ~6-7 minutes on 2 cores, ~1.5 more while the persistent compile cache
+(--jax_cache_dir, as experiments/train.py) is cold. Writes experiments/results/bench_sdp.json (config and all raw
+numbers) and bench_sdp.png (loss curves). --quick: 3 steps per budget, a 1-2 minute smoke test of every code path
+(mostly compiling; its numbers mean nothing), written to bench_sdp_quick.{json,png}.
 """
 
 from __future__ import annotations
@@ -96,19 +104,25 @@ def tree_bytes(tree: Any) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def build(task: Task, name: str, kw: dict | None) -> tuple[Any, Any, Any]:
+def build(task: Task, name: str, kw: dict | None) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(mesh, step, state, evaluators): "val" evaluates the full network; "sub", under forward masking, the
+    subnetworks (SDP's default `eval`), by a second step on the same state layout built with eval="full"."""
     strategy = sk.sdp.strategy(**kw) if kw else name
     mesh = sk.make_mesh({"data": 8} if name != "fsdp" else sk.strategy("fsdp").default_mesh(8))
     model = sk.sharded_init(task.build, mesh, strategy, seed=0)
     tx = optax.chain(sk.train.clip_by_global_norm(1.0), optax.adamw(task.lr))
-    step = sk.make_train_step(model, tx, mesh, strategy, loss_fn=task.loss_fn, batch_axes=task.batch_axes)
-    return mesh, step, step.init_state()
+    make = lambda s: sk.make_train_step(model, tx, mesh, s, loss_fn=task.loss_fn, batch_axes=task.batch_axes)
+    step = make(strategy)
+    evals = {"val": step}
+    if kw and kw["masking"] == "forward":
+        evals = {"val": make(sk.sdp.strategy(**kw, eval="full")), "sub": step}
+    return mesh, step, step.init_state(), evals
 
 
 def run(task: Task, name: str, kw: dict | None, args: argparse.Namespace) -> dict[str, Any]:
     """Trains one variant to its longest budget; evaluates every --eval_every steps and at each budget's end."""
     t0 = time.perf_counter()
-    mesh, step, state = build(task, name, kw)
+    mesh, step, state, evals = build(task, name, kw)
     coverage = kw["coverage"] if kw else 1.0
     budgets = {"steps": task.steps}
     if kw and kw["masking"] == "forward":
@@ -121,12 +135,13 @@ def run(task: Task, name: str, kw: dict | None, args: argparse.Namespace) -> dic
     mem = compiled.memory_analysis()
     colls = hlo.collectives(compiled, mesh)
     formula = step.bytes_per_step() if kw else None
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
 
     def evaluate() -> dict[str, float]:
-        loss, metrics = step.evaluate(state, task.val)
-        return {"val_loss": float(loss), **{f"val_{k}": float(v) for k, v in metrics.items()}}
+        out = {}
+        for tag, s in evals.items():
+            loss, metrics = s.evaluate(state, task.val)
+            out |= {f"{tag}_loss": float(loss), **{f"{tag}_{k}": float(v) for k, v in metrics.items()}}
+        return out
 
     times, train_curve, val_curve, at = [], [], [(0, evaluate())], {}
     for i in range(1, total + 1):
@@ -145,16 +160,17 @@ def run(task: Task, name: str, kw: dict | None, args: argparse.Namespace) -> dic
                at_budget=at, compile_s=compile_s, wall_s=time.perf_counter() - t0,
                state_bytes_per_device=state_bytes, param_bytes_per_device=tree_bytes(state.params),
                argument_bytes=mem.argument_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
-               output_bytes=mem.output_size_in_bytes, hlo_flops=(cost or {}).get("flops"),
+               output_bytes=mem.output_size_in_bytes,
                bytes_sent_per_device=sum(c.bytes_sent for c in colls),
                collectives=[{**dataclasses.asdict(c), "axes": list(c.axes)} for c in colls],
-               sdp_formula=formula, step_s=statistics.median(timed), step_times_s=times,
+               sdp_formula=formula, step_s=statistics.median(timed), step_min_s=min(timed), step_times_s=times,
                train_loss=train_curve, val_curve=[{"step": s, **v} for s, v in val_curve])  # fmt: skip
     if formula:
         out["sdp_formula_bytes"] = formula["permute_bytes"] + formula["ring_all_reduce_bytes"]
     last = val_curve[-1][1]
+    sub = f"  sub {last['sub_loss']:.3f}" if "sub_loss" in last else ""
     print(f"  {task.name:<6} {name:<20} compile {compile_s:5.1f}s  {total:>4} steps  {out['step_s'] * 1e3:6.1f} "
-          f"ms/step  val {last['val_loss']:.3f}  ({out['wall_s']:.0f}s)", flush=True)  # fmt: skip
+          f"ms/step  val {last['val_loss']:.3f}{sub}  ({out['wall_s']:.0f}s)", flush=True)  # fmt: skip
     return out
 
 
@@ -171,18 +187,20 @@ def rows_of(runs: list[dict]) -> list[dict]:
                              mem=(r["argument_bytes"] + r["temp_bytes"]) / (dp["argument_bytes"] + dp["temp_bytes"]),
                              bytes=r["bytes_sent_per_device"] / dp["bytes_sent_per_device"],
                              time=r["step_s"] / dp["step_s"], val_loss=v["val_loss"],
-                             delta=v["val_loss"] - ref["val_loss"], acc=v.get("val_accuracy")))  # fmt: skip
+                             delta=v["val_loss"] - ref["val_loss"], acc=v.get("val_accuracy"),
+                             sub=v.get("sub_loss"), sub_acc=v.get("sub_accuracy")))  # fmt: skip
     return rows
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'model':<7}{'run':<27}{'steps':>6}{'state/DP':>9}{'mem/DP':>8}{'bytes/DP':>9}{'time/DP':>8}"
-            f"{'val loss':>9}{'- DP':>8}{'acc':>7}")  # fmt: skip
+            f"{'val loss':>9}{'- DP':>9}{'acc':>7}{'sub loss':>9}{'sub acc':>8}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
-        acc = f"{r['acc']:7.3f}" if r["acc"] is not None else f"{'':>7}"
+        num = lambda x, w: f"{x:{w}.3f}" if x is not None else " " * w
+        acc = num(r["acc"], 7) + num(r["sub"], 9) + num(r["sub_acc"], 8)
         lines.append(f"{r['model']:<7}{r['run']:<27}{r['steps']:>6}{r['state']:>9.3f}{r['mem']:>8.3f}"
-                     f"{r['bytes']:>9.3f}{r['time']:>8.2f}{r['val_loss']:>9.4f}{r['delta']:>+8.4f}{acc}")  # fmt: skip
+                     f"{r['bytes']:>9.3f}{r['time']:>8.2f}{r['val_loss']:>9.4f}{r['delta']:>+9.4f}{acc}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -203,9 +221,14 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
             steps = [v["step"] for v in r["val_curve"]]
             val = [v["val_loss"] for v in r["val_curve"]]
             row[0].plot(np.arange(1, len(loss) + 1), ema, label=r["run"], lw=1)
-            row[1].plot(steps, val, label=r["run"], marker=".", lw=1)
-            row[2].plot(np.asarray(steps) * r["block_flop_fraction"], val, label=r["run"], marker=".", lw=1)
-        titles = ("training loss (EMA 0.9; SDP: subnetworks)", "validation loss (full network)",
+            flops = np.asarray(steps) * r["block_flop_fraction"]
+            (line,) = row[1].plot(steps, val, label=r["run"], marker=".", lw=1)
+            row[2].plot(flops, val, label=r["run"], marker=".", lw=1, color=line.get_color())
+            if "sub_loss" in r["val_curve"][0]:
+                sub = [v["sub_loss"] for v in r["val_curve"]]
+                row[1].plot(steps, sub, ls="--", lw=0.8, color=line.get_color(), label=f"{r['run']} (subnetworks)")
+                row[2].plot(flops, sub, ls="--", lw=0.8, color=line.get_color())
+        titles = ("training loss (EMA 0.9; SDP: subnetworks)", "validation loss (full; dashed: subnetworks)",
                   "validation loss vs block FLOPs")  # fmt: skip
         for ax, title, x in zip(row, titles, ("step", "step", "DP-step equivalents (steps x c)"), strict=True):
             ax.set(title=f"{model}: {title}", xlabel=x, ylabel="loss (nats)")
@@ -219,11 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="experiments/results/bench_sdp.json")
     parser.add_argument("--steps", type=int, default=150, help="equal-steps budget N of the GPT")
-    parser.add_argument("--resnet_steps", type=int, default=150, help="equal-steps budget N of the ResNet")
+    parser.add_argument("--resnet_steps", type=int, default=120, help="equal-steps budget N of the ResNet")
     parser.add_argument("--flop_cap", type=float, default=4.0, help="equal-FLOP runs: at most this x N steps")
     parser.add_argument("--lr", type=float, default=3e-3, help="GPT adamw lr")
     parser.add_argument("--resnet_lr", type=float, default=3e-3, help="ResNet adamw lr")
-    parser.add_argument("--eval_every", type=int, default=25, help="validation-curve interval (steps)")
+    parser.add_argument("--eval_every", type=int, default=15, help="validation-curve interval (steps)")
     parser.add_argument("--val_windows", type=int, default=GPT_VAL_WINDOWS, help="GPT held-out windows")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time")
     parser.add_argument("--models", default="gpt,resnet")
@@ -246,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append(run(task, name, kw, args))
             except sk.ShardkitError as e:  # the ResNet has no `mlp` units for neuron-level SDP
                 skipped[f"{task.name} {name}"] = str(e)
-                print(f"  {task.name:<6} {name:<20} not applicable: {e}", flush=True)
+                print(f"  {task.name:<6} {name:<20} not applicable (see below)", flush=True)
     total_s, load1 = time.perf_counter() - t0, os.getloadavg()
     rows = rows_of(runs)
     print(f"\n{jax.device_count()} {jax.default_backend()} devices on {os.cpu_count()} cores, jax {jax.__version__}, "
@@ -256,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     print("\nstate = params + adamw state per device; mem = memory_analysis() argument + temp; bytes = collective "
           "bytes sent per device per step (HLO);\ntime = median step time (8 CPU devices share the cores: total "
-          "work, not a cluster's critical path); '- DP' = val loss minus dp's at N steps.")  # fmt: skip
+          "work, not a cluster's critical path); val = full network, '- DP' = minus dp's val loss at N steps; sub = "
+          "SDP's subnetwork evaluation.")  # fmt: skip
     for key, why in skipped.items():
         print(f"{key}: not applicable ({why.split(';')[0]})")
     for r in (r for r in runs if r["sdp_formula"]):

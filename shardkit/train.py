@@ -451,7 +451,7 @@ def make_train_step(
     A subnetwork-data-parallel strategy (`sk.sdp.strategy(...)`, `Strategy.sdp` set) gets its own step class
     (shardkit/parallel/sdp.py) with the same interface."""
     if get_strategy(strategy).sdp is not None:
-        from shardkit.parallel.sdp import SDPTrainStep
+        from shardkit.parallel.sdp_step import SDPTrainStep
 
         return SDPTrainStep(
             model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
