@@ -20,8 +20,8 @@ N-step run: one training per variant, evaluated at N and at N / c.
 
 Measured per run: per-device bytes of params + optimizer state (`addressable_shards[0]`), `memory_analysis()`
 argument + temp bytes of the compiled step, collective bytes sent per device per step from the compiled HLO
-(`shardkit.hlo.collectives`; for SDP also `step.bytes_per_step()`'s formula, which counts parameters only, not the
-ResNet's BatchNorm statistics), median step time after --warmup steps, validation loss (+ accuracy) every
+(`shardkit.hlo.collectives`; for SDP also `step.bytes_per_step()`'s formula, gradients + BatchNorm statistics +
+metrics), median step time after --warmup steps, validation loss (+ accuracy) every
 --eval_every steps, and the training-loss curve. The table gives ratios to dp. Validation is of the full network
 ("val": `step.evaluate` of a step built with eval="full", the model one would deploy) and, for forward masking,
 also SDP's default evaluation ("sub": each worker's subnetwork on its 1/8 of the held-out set, averaged: what was
@@ -231,11 +231,16 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
         titles = ("training loss (EMA 0.9; SDP: subnetworks)", "validation loss (full; dashed: subnetworks)",
                   "validation loss vs block FLOPs")  # fmt: skip
         for ax, title, x in zip(row, titles, ("step", "step", "DP-step equivalents (steps x c)"), strict=True):
-            ax.set(title=f"{model}: {title}", xlabel=x, ylabel="loss (nats)")
+            ax.set(title=f"{model}: {title}", xlabel=x, ylabel="loss (nats)", yscale="log")
             ax.grid(alpha=0.3)
         row[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def replot(json_path: str, png_path: str) -> None:
+    """The PNG again from a results JSON (no training)."""
+    plot(json.loads(pathlib.Path(json_path).read_text())["runs"], pathlib.Path(png_path))
 
 
 def main(argv: list[str] | None = None) -> None:
