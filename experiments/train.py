@@ -113,6 +113,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
     strategy = runtime.with_kernels(strategy, config.get("kernels", ""))
     preset = resolve_preset(config.hardware)
     mesh = sk.make_mesh(runtime.target_axes(config, jax.device_count()))  # "auto": one the strategy fits
+    if strategy.hetero is not None:  # counts from the devices' speeds (a heterogeneous mesh preset)
+        strategy = runtime.hetero_strategy(config, mesh.devices.size)
     strategy.bind(mesh)
     task = build_task(config)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
@@ -328,7 +330,9 @@ def _train(
         with _Stop() as stop:
             for s in range(start, config.steps):
                 batch = task.train_batch(step, s)
-                state, metrics = compiled(state, batch)  # dispatched: the host goes on while the devices work
+                state, metrics = compiled(
+                    state, step.prepare(batch)
+                )  # dispatched: the host goes on while the devices work
                 ckpt.check()  # a background save that failed (disk full) stops the run here, last good step named
                 if pending:
                     log.emit(log.record(*pending, last_good()))

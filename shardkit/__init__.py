@@ -16,7 +16,7 @@ from shardkit.init import (
     state_logical_axes,
 )
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
-from shardkit.parallel import pipeline, sdp, spatial, tensor3d  # sdp after train: its step builds on it
+from shardkit.parallel import hetero, pipeline, sdp, spatial, tensor3d  # sdp after train: its step builds on it
 from shardkit.rules import constrain, logical_to_spec, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.train import TrainState, TrainStep, make_train_step
@@ -45,6 +45,7 @@ __all__ = [
     "costmodel",
     "explain",
     "from_linen",
+    "hetero",
     "kernels",
     "layers",
     "load_preset",

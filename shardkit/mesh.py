@@ -52,6 +52,17 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceGroup:
+    """Devices of one kind in a heterogeneous cluster: how many, their throughput relative to the preset's
+    reference device, and their memory (`[[groups]]` in a preset)."""
+
+    name: str
+    count: int
+    speed: float  # relative training throughput (1.0 = the reference device)
+    hbm_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
 class HardwarePreset:
     """A machine described as data: devices, mesh degrees inside (ICI) and across (DCN) nodes, speeds."""
 
@@ -66,6 +77,19 @@ class HardwarePreset:
     dcn: dict[str, int]  # axis -> degree across slices / nodes
     links: dict[str, Link]  # "ici" / "dcn" -> Link
     sources: dict[str, str]
+    groups: tuple[DeviceGroup, ...] = ()  # heterogeneous clusters: device kinds in device order; () = uniform
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len({(g.speed, g.hbm_bytes) for g in self.groups}) > 1
+
+    def device_speeds(self) -> list[float]:
+        """Relative throughput of every device, in device order (all 1.0 for a uniform preset)."""
+        return [g.speed for g in self.groups for _ in range(g.count)] or [1.0] * self.num_devices
+
+    def device_memory(self) -> list[float]:
+        """Memory of every device in bytes, in device order."""
+        return [g.hbm_bytes for g in self.groups for _ in range(g.count)] or [self.hbm_bytes] * self.num_devices
 
     @property
     def axes(self) -> dict[str, int]:
@@ -123,8 +147,19 @@ def _preset_from_dict(name: str, raw: dict[str, Any]) -> HardwarePreset:
         dcn=dict(mesh.get("dcn", {})),
         links=links,
         sources=dict(raw.get("sources", {})),
+        groups=tuple(
+            DeviceGroup(str(g["name"]), int(g["count"]), float(g["relative_speed"]), float(g["hbm_bytes"]))
+            for g in raw.get("groups", [])
+        ),
     )
     _check_axes(preset.axes)
+    if preset.groups and sum(g.count for g in preset.groups) != preset.num_devices:
+        raise ShardkitError(
+            f"mesh preset {name!r}: [[groups]] count {sum(g.count for g in preset.groups)} devices, not "
+            f"num_devices={preset.num_devices}; fix meshes/{name}.toml"
+        )
+    if any(g.speed <= 0 or g.hbm_bytes <= 0 for g in preset.groups):
+        raise ShardkitError(f"mesh preset {name!r}: every group needs relative_speed > 0 and hbm_bytes > 0")
     if math.prod(preset.axes.values()) != preset.num_devices:
         raise ShardkitError(
             f"mesh preset {name!r}: axis degrees {preset.axes} multiply to {math.prod(preset.axes.values())}, "

@@ -51,6 +51,8 @@ class Strategy:
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: subnetwork data parallelism's configuration (shardkit/parallel/sdp.py SDPConfig); None for the others
     sdp: Any = None
+    #: uneven per-device micro-batch counts (shardkit/parallel/hetero.py HeteroConfig); None for the others
+    hetero: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_rules", normalize_rules(self.param_rules))

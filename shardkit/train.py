@@ -272,6 +272,11 @@ class TrainStep:
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         return self._jit(*self._prepared(batch)).lower(state, batch)
 
+    def prepare(self, batch: Batch) -> Batch:
+        """The batch as the compiled step (`lower(...).compile()`) takes it: unchanged here; a step that lays the
+        batch out its own way (hetero_dp's per-device micro-batches) overrides this."""
+        return batch
+
     def eval_loss(self, params: dict[str, Any] | TrainState, batch: Batch) -> jax.Array:
         """The loss in evaluation mode (`model.eval()`: running BatchNorm statistics, no dropout)."""
         return self.evaluate(params, batch)[0]
@@ -450,6 +455,13 @@ def make_train_step(
 
     A subnetwork-data-parallel strategy (`sk.sdp.strategy(...)`, `Strategy.sdp` set) gets its own step class
     (shardkit/parallel/sdp.py) with the same interface."""
+    if get_strategy(strategy).hetero is not None:
+        from shardkit.parallel.hetero_step import HeteroTrainStep
+
+        return HeteroTrainStep(
+            model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
+            donate=donate,
+        )  # fmt: skip
     if get_strategy(strategy).sdp is not None:
         from shardkit.parallel.sdp_step import SDPTrainStep
 

@@ -1,0 +1,220 @@
+"""Uneven per-device work for heterogeneous devices (Whale: Jia et al., USENIX ATC'22, arXiv 2011.09208).
+
+One XLA program cannot mix GPU models in one process (jax #1509, #13203), so the balancing is SPMD-honest: every
+device runs the same compiled program, with a different amount of work.
+
+- **Data-parallel balancing** (`split_batch`, `HeteroTrainStep`): the global batch is cut into equal micro-batches
+  and device d runs `counts[d]` of them, a per-device trip count of a `lax.fori_loop` inside `shard_map`. Each
+  device sums its micro-batches' gradients locally (the parameters are marked varying first: otherwise `grad`
+  would put its reduction inside the loop, and devices with fewer iterations would deadlock waiting for the
+  others); one all-reduce after the loop gives the exact global-batch mean. `counts` is proportional to each
+  device's throughput within its memory cap (largest remainders).
+- **Pipeline balancing** (`partition_stages`): layers cut into contiguous stages so that the slowest stage
+  (sum of its layer costs / its speed) is as fast as possible, within each stage's memory: an exact min-max
+  dynamic program over cut points (EPL's partitioner minimises the same objective on op costs).
+- `simulated_step_time`: the slowest device's work / its speed; a plan's predicted time, not a measurement.
+
+    counts = sk.hetero.split_batch(global_batch=40, speeds=[2, 2, 1.5, 1.5, 1, 1, .5, .5], caps=[9] * 8)
+    step = sk.make_train_step(model, tx, mesh, sk.hetero.strategy(counts, microbatch=4))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shardkit.errors import ShardkitError
+from shardkit.strategies import register_strategy
+
+
+def _positive(name: str, values: Sequence[float], n: int | None = None) -> list[float]:
+    vals = [float(v) for v in values]
+    if n is not None and len(vals) != n:
+        raise ShardkitError(f"{name}: {len(vals)} values for {n} devices; give one per device")
+    bad = [v for v in vals if not (v > 0 and math.isfinite(v))]
+    if bad:
+        raise ShardkitError(f"{name}={vals}: every value must be a finite number > 0 (found {bad[0]})")
+    return vals
+
+
+def split_batch(global_batch: int, speeds: Sequence[float], caps: Sequence[int] | None = None) -> list[int]:
+    """Micro-batches per device: proportional to `speeds` within the memory `caps`, summing to `global_batch`.
+
+    Water-filling: a device whose proportional share exceeds its cap gets the cap and the rest is shared among the
+    others in proportion to their speeds, until no share exceeds a cap; then the fractional shares are rounded by
+    largest remainders (ties to the faster, then the lower index) without passing a cap. Every count is within 1
+    of its (capped) proportional share."""
+    n = len(speeds)
+    if n < 1:
+        raise ShardkitError("split_batch: speeds is empty; give one relative throughput per device")
+    speeds = _positive("speeds", speeds)
+    if int(global_batch) != global_batch or global_batch < 1:
+        raise ShardkitError(f"global_batch={global_batch} must be a positive whole number of micro-batches")
+    global_batch = int(global_batch)
+    if caps is None:
+        caps = [global_batch] * n
+    if len(caps) != n:
+        raise ShardkitError(f"caps: {len(caps)} values for {n} devices (len(speeds)); give one per device")
+    caps = [int(c) for c in caps]
+    small = [i for i, c in enumerate(caps) if c < 1]
+    if small:
+        raise ShardkitError(
+            f"device {small[0]}'s memory cap {caps[small[0]]} cannot hold one micro-batch: use smaller micro-batches "
+            "(more of them), or leave the device out of the mesh"
+        )
+    if sum(caps) < global_batch:
+        raise ShardkitError(
+            f"global_batch={global_batch} micro-batches exceed the devices' caps (sum {sum(caps)}): lower the batch, "
+            "or use smaller micro-batches"
+        )
+    share = [0.0] * n
+    free, left = set(range(n)), float(global_batch)
+    while free:
+        total = sum(speeds[i] for i in free)
+        trial = {i: left * speeds[i] / total for i in free}
+        over = [i for i in free if trial[i] > caps[i]]
+        if not over:
+            for i in free:
+                share[i] = trial[i]
+            break
+        for i in over:
+            share[i] = float(caps[i])
+            left -= caps[i]
+            free.discard(i)
+    counts = [min(math.floor(s + 1e-9), caps[i]) for i, s in enumerate(share)]
+    order = sorted(range(n), key=lambda i: (-(share[i] - counts[i]), -speeds[i], i))
+    rest = global_batch - sum(counts)
+    for i in order * 2:  # at most n increments are needed; a capped device is skipped
+        if rest == 0:
+            break
+        if counts[i] < caps[i] and share[i] - counts[i] > 0:
+            counts[i] += 1
+            rest -= 1
+    for i in order:  # only when rounding met caps everywhere else
+        if rest == 0:
+            break
+        add = min(caps[i] - counts[i], rest)
+        counts[i] += add
+        rest -= add
+    return counts
+
+
+def simulated_step_time(counts: Sequence[int], speeds: Sequence[float]) -> float:
+    """The step time of a split in units of one micro-batch on a speed-1 device: max over devices of work / speed
+    (data parallelism waits for the slowest before its all-reduce). Simulated, not measured."""
+    return max(c / s for c, s in zip(counts, speeds, strict=True))
+
+
+def even_split(global_batch: int, devices: int) -> list[int]:
+    """What plain data parallelism does: the same count everywhere (the remainder to the first devices)."""
+    q, r = divmod(int(global_batch), devices)
+    return [q + (i < r) for i in range(devices)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Contiguous stages: stage s holds layers bounds[s] .. bounds[s + 1] - 1."""
+
+    bounds: tuple[int, ...]  # len = stages + 1, bounds[0] = 0, bounds[-1] = layers
+    times: tuple[float, ...]  # per stage: sum of its layer costs / its speed
+    step_time: float  # the slowest stage: what a pipeline's steady state runs at
+
+    def layers(self, stage: int) -> range:
+        return range(self.bounds[stage], self.bounds[stage + 1])
+
+
+def partition_stages(
+    layer_costs: Sequence[float], stage_speeds: Sequence[float], layer_memory: Sequence[float] | None = None,
+    stage_memory: Sequence[float] | None = None,
+) -> StagePlan:  # fmt: skip
+    """The contiguous cut of layers into len(stage_speeds) non-empty stages (in order) minimising the slowest
+    stage's time sum(cost) / speed, each stage's layers fitting its memory: exact, by dynamic programming over
+    (layers placed, stages used) in O(L^2 S)."""
+    costs = [float(c) for c in layer_costs]
+    speeds = _positive("stage_speeds", stage_speeds)
+    n_layers, n_stages = len(costs), len(speeds)
+    if n_stages < 1 or n_layers < n_stages:
+        raise ShardkitError(f"{n_layers} layers cannot fill {n_stages} stages (each needs >= 1 layer)")
+    if any(c < 0 or not math.isfinite(c) for c in costs):
+        raise ShardkitError(f"layer_costs={costs}: costs must be finite and >= 0")
+    mem = [0.0] * n_layers if layer_memory is None else [float(m) for m in layer_memory]
+    caps = [math.inf] * n_stages if stage_memory is None else [float(m) for m in stage_memory]
+    if len(mem) != n_layers or len(caps) != n_stages:
+        raise ShardkitError("layer_memory needs one value per layer and stage_memory one per stage")
+    prefix, mprefix = np.concatenate([[0.0], np.cumsum(costs)]), np.concatenate([[0.0], np.cumsum(mem)])
+    inf = math.inf
+    best = np.full((n_stages + 1, n_layers + 1), inf)  # best[s][i]: slowest of stages < s holding layers < i
+    cut = np.zeros((n_stages + 1, n_layers + 1), int)
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n_layers - (n_stages - s) + 1):
+            for j in range(s - 1, i):  # stage s - 1 holds layers j .. i - 1
+                if mprefix[i] - mprefix[j] > caps[s - 1] or best[s - 1][j] == inf:
+                    continue
+                t = max(best[s - 1][j], (prefix[i] - prefix[j]) / speeds[s - 1])
+                if t < best[s][i]:
+                    best[s][i], cut[s][i] = t, j
+    if best[n_stages][n_layers] == inf:
+        raise ShardkitError(
+            f"no contiguous split of {n_layers} layers (memory {mem}) into stages with memory {caps} exists: "
+            "a stage's memory cannot hold its layers; use more stages or smaller layers"
+        )
+    bounds, i = [n_layers], n_layers
+    for s in range(n_stages, 0, -1):
+        i = int(cut[s][i])
+        bounds.append(i)
+    bounds = tuple(reversed(bounds))
+    times = tuple(float(prefix[bounds[s + 1]] - prefix[bounds[s]]) / speeds[s] for s in range(n_stages))
+    return StagePlan(bounds, times, max(times))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroConfig:
+    """`Strategy.hetero`: micro-batches per device along `axis` and their size in examples."""
+
+    counts: tuple[int, ...]
+    microbatch: int = 1  # examples per micro-batch
+    axis: str = "data"
+    mode: str = "loop"  # "loop": per-device trip counts; "pad": every device runs max(counts), padding masked
+    speeds: tuple[float, ...] = ()  # the devices' relative throughputs the counts came from (for the report)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "counts", tuple(int(c) for c in self.counts))
+        object.__setattr__(self, "speeds", tuple(float(v) for v in self.speeds))
+        if not self.counts or min(self.counts) < 1:
+            raise ShardkitError(f"hetero counts={self.counts}: every device needs >= 1 micro-batch")
+        if self.microbatch < 1:
+            raise ShardkitError(f"hetero microbatch={self.microbatch} must be >= 1 example")
+        if self.mode not in ("loop", "pad"):
+            raise ShardkitError(f"hetero mode={self.mode!r}: choose 'loop' or 'pad'")
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.counts) * self.microbatch
+
+
+def strategy(
+    counts: Sequence[int] = (1,), microbatch: int = 1, *, axis: str = "data", mode: str = "loop",
+    speeds: Sequence[float] = (),
+) -> Any:  # fmt: skip
+    """Data parallelism with `counts[d]` micro-batches of `microbatch` examples on device d (`hetero_dp`);
+    `speeds` (optional) are the throughputs the counts were balanced for, for the step's report."""
+    from shardkit.strategies import strategy as named
+
+    cfg = HeteroConfig(tuple(counts), int(microbatch), axis, mode, tuple(speeds))
+    return named("dp").replace(
+        name="hetero_dp", hetero=cfg,
+        description=f"data parallelism with per-device micro-batch counts {list(cfg.counts)} x {cfg.microbatch} "
+        f"examples ({mode})",
+        collectives="one all-reduce of the gradients after every device's loop (none inside it)",
+    )  # fmt: skip
+
+
+__all__ = ["HeteroConfig", "StagePlan", "even_split", "partition_stages", "simulated_step_time", "split_batch",
+           "strategy"]  # fmt: skip
+
+register_strategy(strategy())
