@@ -67,6 +67,9 @@ class Plan:
     memory: dict[str, float]  # params, grads, optimizer, activations, total (bytes per device)
     fits: bool
     reason: str = ""
+    #: heterogeneous presets (meshes/*.toml with [[groups]]): predicted compute time per step, even vs balanced
+    #: (shardkit/parallel/hetero.py `balance`); None on uniform hardware
+    hetero: Any = None
 
     @property
     def comm_bytes(self) -> float:
@@ -255,8 +258,33 @@ def plan(
         cap = memory_fraction * hw.hbm_bytes
         reason = "" if mem["total"] <= cap else f"needs {mem['total'] / 2**30:.1f} GiB > {cap / 2**30:.1f} GiB usable"
         plans.append(Plan(s, mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason))
+    if hw.groups and hasattr(model_cfg, "flops_per_token" if seq_len else "flops_per_example"):
+        plans = [_balanced(p, model_cfg, hw, global_batch, seq_len, memory_fraction) for p in plans]
     plans.sort(key=lambda p: (not p.fits, p.comm_time_s))
     return plans if include_rejected else [p for p in plans if p.fits]
+
+
+def _balanced(p: Plan, model_cfg: Any, hw: HardwarePreset, batch: int, seq_len: int | None, frac: float) -> Plan:
+    """A dp plan on a heterogeneous preset with its even vs balanced compute time (and the pipeline's) attached."""
+    from shardkit.parallel import hetero
+
+    if p.strategy != "dp" or len(hw.device_speeds()) != math.prod(p.mesh.values()):
+        return p
+    fpe = model_cfg.flops_per_token(seq_len) * seq_len if seq_len else model_cfg.flops_per_example()
+    per_device_batch = batch / math.prod(p.mesh.values())
+    state = p.memory["params"] + p.memory["grads"] + p.memory["optimizer"]
+    try:
+        b = hetero.balance(
+            hw.device_speeds(), [frac * m for m in hw.device_memory()], batch, fpe, hw.peak_flops,
+            layers=int(getattr(model_cfg, "num_layers", 0)), state_bytes=state,
+            bytes_per_example=p.memory.get("activations", 0.0) / per_device_batch,
+        )  # fmt: skip
+    except ShardkitError as e:  # the devices' memory cannot hold the batch, however it is split
+        return dataclasses.replace(p, fits=False, reason=f"hetero: {e}")
+    note = (f"hetero: dp even {b.dp_even_s * 1e3:.1f} ms vs balanced {b.dp_balanced_s * 1e3:.1f} ms compute "
+            f"(x{b.dp_even_s / b.dp_balanced_s:.2f}, counts {list(b.counts)}); pipeline min-max "
+            f"{b.pp_balanced_s * 1e3:.1f} ms; best: {b.best} (predicted)")  # fmt: skip
+    return dataclasses.replace(p, hetero=b, reason=(p.reason + "; " if p.reason else "") + note)
 
 
 def format_plans(plans: Sequence[Plan]) -> str:

@@ -121,3 +121,16 @@ def test_cli_trains_balanced_on_a_heterogeneous_preset(tmp_path, capsys):
     assert "simulated step time" in printed
     with pytest.raises(sk.ShardkitError, match="needs device speeds"):
         tr.train(make_config(tmp_path, "het2", strategy="hetero_dp", mesh="data=8", steps=2))
+
+
+def test_plan_on_a_heterogeneous_preset_compares_even_and_balanced():
+    cfg = GPTConfig(num_layers=24, d_model=1024, num_heads=16, num_kv_heads=16, head_dim=64, mlp_dim=4096,
+                    vocab_size=50304)  # fmt: skip
+    plans = sk.plan(cfg, devices=8, hardware="hetero_a100_h100", global_batch=32, seq_len=1024, strategies=("dp",))
+    b = plans[0].hetero
+    assert sum(b.counts) == 32 and b.counts[0] > b.counts[-1]  # the H100s take more
+    # 4 x 1.0 + 4 x 0.315: even = 4 / 0.315 per-example units, balanced ~ 6 / 1.0 -> x2.0 (bench_hetero's figure)
+    assert b.dp_even_s / b.dp_balanced_s == pytest.approx(2.0, rel=0.05)
+    assert b.pp_balanced_s <= b.pp_even_s and "hetero: dp even" in plans[0].reason
+    assert sk.plan(cfg, devices=8, hardware="gpu_8xh100", global_batch=32, seq_len=1024,
+                   strategies=("dp",))[0].hetero is None  # fmt: skip

@@ -173,6 +173,51 @@ def partition_stages(
 
 
 @dataclasses.dataclass(frozen=True)
+class Balance:
+    """Predicted compute time per step on devices of different speeds: even vs balanced, data vs pipeline."""
+
+    dp_even_s: float  # every device global_batch / W examples; the slowest sets the step
+    dp_balanced_s: float  # split_batch by speed within each device's memory cap
+    counts: tuple[int, ...]  # the balanced examples per device
+    pp_even_s: float  # layers in W equal stages (one per device), steady state (no bubble)
+    pp_balanced_s: float  # partition_stages' min-max cut
+    stage_bounds: tuple[int, ...]
+
+    @property
+    def best(self) -> str:
+        times = {"dp balanced": self.dp_balanced_s, "pipeline min-max": self.pp_balanced_s}
+        return min(times, key=times.get)
+
+
+def balance(
+    speeds: Sequence[float], memory: Sequence[float], global_batch: int, flops_per_example: float,
+    peak_flops: float, *, layers: int = 0, state_bytes: float = 0.0, bytes_per_example: float = 0.0,
+) -> Balance:  # fmt: skip
+    """Compute time of one step (FLOPs / (peak x speed), the slowest device) for data parallelism split evenly and
+    by `split_batch` (caps: (memory - state_bytes) / bytes_per_example), and for a pipeline of `layers` equal layers
+    over the devices in order, cut evenly and by `partition_stages`. A model, not a measurement."""
+    n = len(speeds)
+    speeds = _positive("speeds", speeds, n)
+    caps = None
+    if bytes_per_example > 0:
+        caps = [max(0, int((m - state_bytes) // bytes_per_example)) for m in memory]
+    counts = split_batch(global_batch, speeds, caps)
+    unit = flops_per_example / peak_flops  # seconds per example on a speed-1 device
+    even = even_split(global_batch, n)
+    dp_even, dp_bal = simulated_step_time(even, speeds) * unit, simulated_step_time(counts, speeds) * unit
+    if layers >= n:
+        per_layer = global_batch * unit / layers
+        cut = [layers * s // n for s in range(n + 1)]
+        pp_even = max((cut[s + 1] - cut[s]) * per_layer / speeds[s] for s in range(n))
+        stages = partition_stages([per_layer] * layers, speeds)
+        pp_bal, bounds = stages.step_time, stages.bounds
+    else:
+        pp_even = pp_bal = math.inf
+        bounds = ()
+    return Balance(dp_even, dp_bal, tuple(counts), pp_even, pp_bal, bounds)
+
+
+@dataclasses.dataclass(frozen=True)
 class HeteroConfig:
     """`Strategy.hetero`: micro-batches per device along `axis` and their size in examples."""
 
@@ -214,7 +259,7 @@ def strategy(
     )  # fmt: skip
 
 
-__all__ = ["HeteroConfig", "StagePlan", "even_split", "partition_stages", "simulated_step_time", "split_batch",
+__all__ = ["Balance", "HeteroConfig", "balance", "StagePlan", "even_split", "partition_stages", "simulated_step_time", "split_batch",
            "strategy"]  # fmt: skip
 
 register_strategy(strategy())
