@@ -259,7 +259,16 @@ def strategy(
     )  # fmt: skip
 
 
-__all__ = ["Balance", "HeteroConfig", "balance", "StagePlan", "even_split", "partition_stages", "simulated_step_time", "split_batch",
-           "strategy"]  # fmt: skip
+__all__ = [
+    "Balance",
+    "HeteroConfig",
+    "StagePlan",
+    "balance",
+    "even_split",
+    "partition_stages",
+    "simulated_step_time",
+    "split_batch",
+    "strategy",
+]
 
 register_strategy(strategy())
