@@ -220,8 +220,9 @@ class GPT(nnx.Module):
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=_f32(dt))
-        return sk.constrain(logits, (BATCH, SEQ, VOCAB))
+        with sk.scope("head"):  # a strategy may give the output projection rules of its own (Strategy.scopes)
+            logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=_f32(dt))
+            return sk.constrain(logits, (BATCH, SEQ, VOCAB))
 
     def loss(self, batch: dict[str, jax.Array]) -> jax.Array:
         return lm_loss(self, batch)

@@ -204,7 +204,9 @@ class ResNet(nnx.Module):
         for stage in self.stages:
             x = stage(x)
         pooled = x.astype(jnp.promote_types(x.dtype, jnp.float32)).mean(axis=(1, 2))  # [batch, channels]
-        return self.head(self.dropout(pooled))
+        with sk.scope("head"):  # a strategy may give the classifier rules of its own (Strategy.scopes)
+            pooled = sk.constrain(self.dropout(pooled), (BATCH, CHANNELS))  # the layout change into the scope
+            return sk.constrain(self.head(pooled), (BATCH, CLASSES))
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         return classification_loss(self, batch)

@@ -17,7 +17,7 @@ from shardkit.init import (
 )
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
 from shardkit.parallel import hetero, pipeline, sdp, spatial, tensor3d  # sdp after train: its step builds on it
-from shardkit.rules import constrain, logical_to_spec, use_rules
+from shardkit.rules import constrain, logical_to_spec, scope, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.train import TrainState, TrainStep, make_train_step
 
@@ -58,6 +58,7 @@ __all__ = [
     "pipeline",
     "plan",
     "register_strategy",
+    "scope",
     "sdp",
     "sharded_init",
     "spatial",

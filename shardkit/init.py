@@ -12,12 +12,13 @@ shardkit builds models with eager sharding off and resolves the names through th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from shardkit.errors import ShardkitError
 from shardkit.rules import Rules, named_sharding
@@ -115,17 +116,34 @@ def _has_other(state: nnx.State) -> bool:
     return any(not isinstance(v, nnx.Param) for _, v in _variables(state))
 
 
-def state_shardings(state: nnx.State, rules: Rules, mesh: Mesh, *, require: bool = True) -> dict[str, Any]:
-    """A pure dict of NamedShardings for `state`, checked (path, shape, axis) against the mesh."""
+def scoped_rules(path: str, rules: Rules, scopes: Mapping[str, Rules] | None) -> Rules:
+    """`rules` with the overrides of every scope pattern matching `path` ("head/kernel") or one of its prefixes
+    ("head"), in the scopes' order."""
+    if not scopes:
+        return rules
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    out = dict(rules)
+    for pattern, extra in scopes.items():
+        if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+            out.update(extra)
+    return out
+
+
+def state_shardings(
+    state: nnx.State, rules: Rules, mesh: Mesh, *, require: bool = True, scopes: Mapping[str, Rules] | None = None
+) -> dict[str, Any]:
+    """A pure dict of NamedShardings for `state`, checked (path, shape, axis) against the mesh; a variable under a
+    scope pattern (Strategy.scopes) takes that scope's rules over `rules`."""
     shapes = nnx.to_pure_dict(state)
     logical = state_logical_axes(state, require=require)
     kind = "parameter" if require else "variable"
-    return jax.tree_util.tree_map_with_path(
-        lambda path, names, sds: named_sharding(names, rules, mesh, sds.shape, what=f"{kind} {_path_str(path)!r}"),
-        logical,
-        shapes,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+
+    def one(path: Any, names: tuple, sds: Any) -> NamedSharding:
+        where = _path_str(path)
+        return named_sharding(names, scoped_rules(where, rules, scopes), mesh, sds.shape, what=f"{kind} {where!r}")
+
+    return jax.tree_util.tree_map_with_path(one, logical, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def param_shardings(abstract: nnx.Module | nnx.State, rules: Rules, mesh: Mesh) -> dict[str, Any]:
@@ -147,8 +165,8 @@ def sharded_init(
     bound = get_strategy(strategy).bind(mesh)
     graphdef, abs_params, abs_rest = split_params(abstract_model(make_model, seed))
     shardings = (
-        state_shardings(abs_params, bound.param_rules, mesh, require=True),
-        state_shardings(abs_rest, bound.param_rules, mesh, require=False),
+        state_shardings(abs_params, bound.param_rules, mesh, require=True, scopes=bound.scopes),
+        state_shardings(abs_rest, bound.param_rules, mesh, require=False, scopes=bound.scopes),
     )
 
     def create() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import fnmatch
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -112,6 +113,7 @@ class ShardingContext:
     mesh: Mesh
     rules: dict[str, MeshAxes]
     kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # slot -> kernel name
+    scopes: dict[str, dict[str, MeshAxes]] = dataclasses.field(default_factory=dict)  # Strategy.scopes
 
     @property
     def attention(self) -> str:
@@ -128,15 +130,16 @@ _CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVa
 
 @contextlib.contextmanager
 def use_rules(
-    mesh: Mesh, rules: Rules, attention: str | None = None, *, kernels: Mapping[str, str] | None = None, **more: str
-) -> Iterator[ShardingContext]:
+    mesh: Mesh, rules: Rules, attention: str | None = None, *, kernels: Mapping[str, str] | None = None,
+    scopes: Mapping[str, Rules] | None = None, **more: str,
+) -> Iterator[ShardingContext]:  # fmt: skip
     """Activates compute rules and kernel choices for `constrain` and the kernel slots in this block.
 
     `kernels` maps slot -> kernel name (a strategy's `kernels` table); `attention=` and other keywords
     (`layers="pipeline:1f1b"`) are shorthands for entries of it.
     """
     table = {**(kernels or {}), **more, **({"attention": attention} if attention is not None else {})}
-    ctx = ShardingContext(mesh, dict(rules), table)
+    ctx = ShardingContext(mesh, dict(rules), table, {k: dict(v) for k, v in (scopes or {}).items()})
     token = _CONTEXT.set(ctx)
     try:
         yield ctx
@@ -155,6 +158,30 @@ def flax_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
 
     with nn.logical_axis_rules(list(rules.items())), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         yield
+
+
+@contextlib.contextmanager
+def scope(path: str) -> Iterator[None]:
+    """Activations computed in this block take the active strategy's rules for module `path` (Whale's
+    annotations as data: `Strategy.scopes`); a no-op when no strategy scopes `path`, or outside a train step.
+
+        with sk.scope("head"):                     # the model names its own module, never a mesh axis
+            x = sk.constrain(x, ("batch", "channels"))   # the layout change into the scope (e.g. an all-gather)
+            logits = self.head(x)
+    """
+    ctx = _CONTEXT.get()
+    if ctx is None or not ctx.scopes:
+        yield
+        return
+    rules = dict(ctx.rules)
+    for pattern, extra in ctx.scopes.items():
+        if fnmatch.fnmatchcase(path, pattern):
+            rules.update(extra)
+    token = _CONTEXT.set(dataclasses.replace(ctx, rules=rules))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
 
 
 def current_context() -> ShardingContext | None:

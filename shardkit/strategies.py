@@ -53,12 +53,18 @@ class Strategy:
     sdp: Any = None
     #: uneven per-device micro-batch counts (shardkit/parallel/hetero.py HeteroConfig); None for the others
     hetero: Any = None
+    #: Whale-style scoped rules: module path pattern -> rules that override all three tables for the parameters
+    #: under that path (fnmatch on "a/b/c" paths and their prefixes) and for the activations the model computes
+    #: inside `with sk.scope("<path>"):`. E.g. {"head": {"classes": "data", "batch": None}}: the classifier split
+    #: over the devices that hold the batch elsewhere (Whale's `split` inside `replicate`).
+    scopes: Mapping[str, Mapping[str, MeshAxes]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_rules", normalize_rules(self.param_rules))
         object.__setattr__(self, "compute_rules", normalize_rules(self.compute_rules))
         if self.opt_rules is not None:
             object.__setattr__(self, "opt_rules", normalize_rules(self.opt_rules))
+        object.__setattr__(self, "scopes", {str(k): normalize_rules(v) for k, v in dict(self.scopes).items()})
         table = {"attention": self.attention, "layers": self.layers, **self.kernels}
         object.__setattr__(self, "kernels", table)
         object.__setattr__(self, "attention", table["attention"])
@@ -86,7 +92,7 @@ class Strategy:
 
     def mesh_axes(self) -> set[str]:
         """Every mesh axis any of the tables shards over."""
-        tables = [self.param_rules, self.compute_rules, self.opt_rules or {}]
+        tables = [self.param_rules, self.compute_rules, self.opt_rules or {}, *self.scopes.values()]
         return {a for t in tables for axes in t.values() for a in (axes or ())}
 
     def default_mesh(self, devices: int) -> dict[str, int]:
@@ -151,6 +157,7 @@ class Strategy:
             param_rules=params,
             opt_rules=params if self.opt_rules is None else restrict_to_mesh(self.opt_rules, mesh),
             compute_rules=restrict_to_mesh(self.compute_rules, mesh),
+            scopes={k: restrict_to_mesh(v, mesh) for k, v in self.scopes.items()},
         )
 
 
@@ -163,6 +170,7 @@ class BoundStrategy:
     param_rules: dict[str, MeshAxes]
     opt_rules: dict[str, MeshAxes]
     compute_rules: dict[str, MeshAxes]
+    scopes: dict[str, dict[str, MeshAxes]] = dataclasses.field(default_factory=dict)
 
 
 def _prod(values: Any) -> int:
@@ -198,6 +206,16 @@ register_strategy(
         required_axes=("data",),
         description="batch over data; parameters and optimizer state replicated",
         collectives="all-reduce of gradients over data, once per step",
+    )
+)
+register_strategy(
+    STRATEGIES["dp"].replace(
+        name="dp_split_head",
+        scopes={"head": {"classes": "data", "vocab": "data", "batch": None}},
+        description="Whale's replicate + split: the network data-parallel, its classifier / output projection "
+        "(module `head`) split over the same devices by classes / vocab, the batch gathered into it",
+        collectives="gradient all-reduce of the replicated part; an all-gather of the features into the head; the "
+        "head's weight gradient stays local (its classes are split, its batch whole)",
     )
 )
 register_strategy(

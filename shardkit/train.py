@@ -104,9 +104,10 @@ class TrainStep:
         self.graphdef, params, rest = split_params(model)
         rules = self.bound.param_rules
         self.param_names = state_logical_axes(params)  # pure dict of each parameter's logical names
-        self.param_shardings = state_shardings(params, rules, mesh)
-        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh)
-        self.model_state_shardings = state_shardings(rest, rules, mesh, require=False)
+        scopes = self.bound.scopes  # Whale-style per-module rules (Strategy.scopes)
+        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes)
+        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes)
+        self.model_state_shardings = state_shardings(rest, rules, mesh, require=False, scopes=scopes)
         self._rest = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
         leaves, self._param_treedef = jax.tree.flatten(nnx.to_pure_dict(params))
         self._param_leaf_specs = [(tuple(x.shape), x.dtype) for x in leaves]
@@ -304,7 +305,8 @@ class TrainStep:
             with use_rules(jax.sharding.get_abstract_mesh(), dict.fromkeys(rules), kernels=self.strategy.kernels):
                 yield
             return
-        with use_rules(self.mesh, rules, kernels=self.strategy.kernels), flax_rules(self.mesh, rules):
+        with use_rules(self.mesh, rules, kernels=self.strategy.kernels, scopes=self.bound.scopes), \
+                flax_rules(self.mesh, rules):  # fmt: skip
             yield
 
     def _apply(

@@ -134,3 +134,45 @@ def test_plan_on_a_heterogeneous_preset_compares_even_and_balanced():
     assert b.pp_balanced_s <= b.pp_even_s and "hetero: dp even" in plans[0].reason
     assert sk.plan(cfg, devices=8, hardware="gpu_8xh100", global_batch=32, seq_len=1024,
                    strategies=("dp",))[0].hetero is None  # fmt: skip
+
+
+def _train(model_fn, mesh, strategy, batch, loss_fn=None, batch_axes=None, steps=2):
+    model = sk.sharded_init(model_fn, mesh, strategy, seed=0)
+    step = sk.make_train_step(model, optax.sgd(0.1, momentum=0.9), mesh, strategy, loss_fn=loss_fn,
+                              batch_axes=batch_axes)  # fmt: skip
+    state, losses = step.init_state(), []
+    for _ in range(steps):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return step, state, losses
+
+
+def test_scoped_split_head_equals_one_device_and_splits_the_classifier():
+    """Whale's classic case: a CNN backbone replicated (data parallel) and its large classifier split over the same
+    8 devices by classes (`dp_split_head`: Strategy.scopes = {"head": {"classes": "data", "batch": None}}); the
+    features are all-gathered into the head. Same fp32 reduction-order bound as the dp parity tests (1e-5)."""
+    from models.resnet import BATCH_AXES, ResNet, ResNetConfig, classification_loss
+
+    cfg = ResNetConfig(widths=(8, 16), blocks=(1, 1), num_classes=8192, dropout=0.0)
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=(16, 8, 8, 1)).astype(np.float32), "label": rng.integers(0, 8192, 16)}
+    make = lambda rngs: ResNet(cfg, rngs=rngs)
+    mesh = sk.make_mesh({"data": 8})
+    runs = {name: _train(make, m, name, batch, classification_loss, BATCH_AXES)
+            for name, m in (("dp", sk.make_mesh("data=1", jax.devices()[:1])), ("dp_split_head", mesh))}  # fmt: skip
+    (_, one, one_losses), (step, split, losses) = runs["dp"], runs["dp_split_head"]
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(split.params), jax.tree.leaves(one.params), strict=True):
+        assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-5 * np.abs(np.asarray(want)).max()
+    kernel = split.params["head"]["kernel"]
+    assert kernel.addressable_shards[0].data.nbytes * 8 == kernel.nbytes  # the classifier's memory / 8
+    assert split.params["stem"]["kernel"].addressable_shards[0].data.nbytes == split.params["stem"]["kernel"].nbytes
+    report = sk.explain(step, split, batch)
+    assert any(c.kind == "all-gather" for c in report.collectives)  # the features into the split head
+    # the same strategy on the GPT splits its output projection by vocab (the module is also called `head`)
+    gpt = lambda rngs: GPT(CFG, rngs=rngs)
+    tokens = make_batch(16, 16, CFG.vocab_size)
+    _, _, g_one_losses = _train(gpt, sk.make_mesh("data=1", jax.devices()[:1]), "dp", tokens)
+    _, g_split, g_losses = _train(gpt, mesh, "dp_split_head", tokens)
+    np.testing.assert_allclose(g_losses, g_one_losses, rtol=1e-5)
+    assert g_split.params["head"].addressable_shards[0].data.shape == (CFG.d_model, CFG.vocab_size // 8)
