@@ -8,6 +8,7 @@ HEADS     query heads; KV_HEADS key/value heads (grouped-query attention); HEAD_
 MLP       hidden width of the feed-forward block
 VOCAB     token vocabulary
 LAYERS    the stacked-blocks dimension (scanned over; the pipeline splits it into stages)
+EXPERTS   a mixture of experts' experts (their router outputs and stacked MLP weights)
 
 Images and volumes (models/resnet.py, models/cosmoflow.py, models/unet3d.py):
 HEIGHT, WIDTH  an image's / a volume's spatial dimensions; DEPTH a volume's third (slowest) one
@@ -24,6 +25,7 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 VOCAB = "vocab"
 LAYERS = "layers"
+EXPERTS = "experts"
 
 DEPTH = "depth"
 HEIGHT = "height"

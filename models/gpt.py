@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 import shardkit as sk
-from models.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
+from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,13 @@ class GPTConfig:
     param_dtype: str = "float32"
     remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs, recompute the rest)
     init_std: float = 0.02
+    # mixture of experts (shardkit/parallel/moe.py): every block's MLP becomes `num_experts` SwiGLU experts
+    num_experts: int = 0  # 0 = dense
+    top_k: int = 2  # 1 = Switch, 2 = GShard (second choices queue behind first choices)
+    capacity_factor: float = 1.25  # tokens per expert per sequence = ceil(top_k x seq x factor / experts)
+    dropless: bool = False  # capacity = seq: no token is ever dropped
+    aux_loss_weight: float = 0.01  # load-balancing loss (1.0 when balanced), added to the loss
+    z_loss_weight: float = 1e-3  # router z-loss mean(logsumexp(logits)^2)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -56,6 +63,10 @@ class GPTConfig:
             raise sk.ShardkitError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise sk.ShardkitError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.num_experts < 0 or (self.num_experts and self.top_k not in (1, 2)):
+            raise sk.ShardkitError(f"num_experts={self.num_experts}, top_k={self.top_k}: experts >= 0, top_k 1 or 2")
+        if self.num_experts and self.top_k > self.num_experts:
+            raise sk.ShardkitError(f"top_k={self.top_k} needs at least that many experts, not {self.num_experts}")
         if self.remat not in sk.layers.REMAT_POLICIES:
             raise sk.ShardkitError(f"remat={self.remat!r}: choose 'none', 'full' or 'dots'")
 
@@ -63,7 +74,7 @@ class GPTConfig:
         """Parameter count; without the embedding table it is the N of FLOPs = 6N per token."""
         e, h = self.d_model, self.head_dim
         attn = e * h * (self.num_heads * 2 + self.num_kv_heads * 2)
-        block = attn + 3 * e * self.mlp_dim + 2 * e
+        block = attn + 3 * e * self.mlp_dim * max(1, self.num_experts) + 2 * e + e * self.num_experts
         head = 0 if self.tie_embeddings else e * self.vocab_size
         emb = e * self.vocab_size if include_embedding else 0
         return self.num_layers * block + e + head + emb
@@ -73,6 +84,8 @@ class GPTConfig:
         a matmul and counts) + 12 L d s for attention scores and values, fwd + bwd, causal mask NOT halved
         (PaLM appendix B convention; our dense kernel computes the masked half too)."""
         n = self.num_params(include_embedding=False) + (self.d_model * self.vocab_size if self.tie_embeddings else 0)
+        if self.num_experts:  # a token runs top_k of the experts: the active parameters
+            n -= self.num_layers * 3 * self.d_model * self.mlp_dim * (self.num_experts - self.top_k)
         return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
 
     def cost_model(
@@ -83,7 +96,7 @@ class GPTConfig:
         falls back to the parameter traffic implied by the rules tables)."""
         from models import gpt_cost
 
-        if strategy not in gpt_cost.MODELLED:
+        if strategy not in gpt_cost.MODELLED or self.num_experts:  # MoE: not in the dense formulas
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         comms = gpt_cost.strategy_comms(strategy, self, mesh, batch, seq, nbytes, backend, gspmd=strategy == "tp3d")
@@ -142,8 +155,14 @@ class Block(nnx.Module):
         self.wqkv = _param(rngs, (e, k, g + 2, h), (EMBED, KV_HEADS, None, HEAD_DIM), cfg, std)
         self.wo = _param(rngs, (n, h, e), (HEADS, HEAD_DIM, EMBED), cfg, out_std)
         self.mlp_norm = _ones((e,), (EMBED,), cfg)
-        self.w_gate_up = _param(rngs, (e, 2, f), (EMBED, None, MLP), cfg, std)  # SwiGLU gate and up, fused
-        self.w_down = _param(rngs, (f, e), (MLP, EMBED), cfg, out_std)
+        if cfg.num_experts:  # the experts' SwiGLU weights stacked on a leading `experts` dimension, and a router
+            x = cfg.num_experts
+            self.router = _param(rngs, (e, x), (EMBED, EXPERTS), cfg, std)
+            self.w_gate_up = _param(rngs, (x, e, 2, f), (EXPERTS, EMBED, None, MLP), cfg, std)
+            self.w_down = _param(rngs, (x, f, e), (EXPERTS, MLP, EMBED), cfg, out_std)
+        else:
+            self.w_gate_up = _param(rngs, (e, 2, f), (EMBED, None, MLP), cfg, std)  # SwiGLU gate and up, fused
+            self.w_down = _param(rngs, (f, e), (MLP, EMBED), cfg, out_std)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
@@ -164,10 +183,27 @@ class Block(nnx.Module):
 
         h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
         h = sk.constrain(h, (BATCH, SEQ, EMBED))
+        if cfg.num_experts:
+            return self._moe(x, h)
         gu = sk.constrain(jnp.einsum("bse,etf->bstf", h, self.w_gate_up[...].astype(dt)), (BATCH, SEQ, None, MLP))
         act = sk.constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP))
         y = jnp.einsum("bsf,fe->bse", act, self.w_down[...].astype(dt))
         return x + sk.constrain(y, (BATCH, RES_SEQ, EMBED))
+
+    def _moe(self, x: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x + MoE(h) and this layer's [aux loss, z-loss, dropped fraction]; each sequence is a group of tokens."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        logits = jnp.einsum("bse,ex->bsx", h, self.router[...].astype(dt), preferred_element_type=_f32(dt))
+        cap = sk.moe.capacity(h.shape[1], cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
+        r = sk.moe.route(logits, cfg.top_k, cap)
+
+        def experts(w: tuple[jax.Array, jax.Array], xe: jax.Array) -> jax.Array:  # [E, N, C, M] -> [E, N, C, M]
+            gu = jnp.einsum("encm,emtf->enctf", xe, w[0].astype(dt))
+            return jnp.einsum("encf,efm->encm", jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], w[1].astype(dt))
+
+        y = sk.moe.apply(h, r, experts, (self.w_gate_up[...], self.w_down[...]))
+        aux = jnp.stack([r["aux_loss"], r["z_loss"], r["dropped"]]).astype(jnp.float32)
+        return x + sk.constrain(y.astype(x.dtype), (BATCH, RES_SEQ, EMBED)), aux
 
 
 def _stack_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
@@ -182,10 +218,19 @@ def _stack_blocks(cfg: GPTConfig, rngs: nnx.Rngs) -> Block:
     return blocks
 
 
-def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy (nats) of {"inputs", "targets"[, "positions", "segment_ids"]}, all [B, T]."""
+def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross-entropy (nats) of {"inputs", "targets"[, "positions", "segment_ids"]}, all [B, T].
+
+    With experts: (cross-entropy + the weighted load-balancing and z-losses, {"ce", "moe_aux", "moe_z",
+    "moe_dropped"}), the MoE terms averaged over layers."""
     extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
-    return sk.train.cross_entropy(model(batch["inputs"], **extra), batch["targets"])
+    if not model.cfg.num_experts:
+        return sk.train.cross_entropy(model(batch["inputs"], **extra), batch["targets"])
+    logits, aux = model(batch["inputs"], **extra, return_aux=True)
+    ce = sk.train.cross_entropy(logits, batch["targets"])
+    cfg = model.cfg
+    loss = ce + cfg.aux_loss_weight * aux[0] + cfg.z_loss_weight * aux[1]
+    return loss, {"ce": ce, "moe_aux": aux[0], "moe_z": aux[1], "moe_dropped": aux[2]}
 
 
 class GPT(nnx.Module):
@@ -206,8 +251,9 @@ class GPT(nnx.Module):
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB), cfg, cfg.init_std)
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
-    ) -> jax.Array:
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+        return_aux: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:  # fmt: skip
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -215,16 +261,28 @@ class GPT(nnx.Module):
         x = sk.constrain(jnp.take(table, tokens, axis=0).astype(dt), (BATCH, RES_SEQ, EMBED))
 
         graphdef, layer_state = nnx.split(self.blocks)
-        block = lambda state, x, positions, segment_ids: nnx.merge(graphdef, state)(x, positions, segment_ids)
-        x = sk.layers.apply_stack(block, layer_state, x, positions, segment_ids, remat=cfg.remat)
+        if cfg.num_experts:  # the carry is (x, the layers' summed MoE terms)
+
+            def block(state: nnx.State, carry: tuple, positions: jax.Array, segment_ids: jax.Array | None) -> tuple:
+                y, aux = nnx.merge(graphdef, state)(carry[0], positions, segment_ids)
+                return y, carry[1] + aux
+
+            x, aux = sk.layers.apply_stack(block, layer_state, (x, jnp.zeros(3, jnp.float32)), positions, segment_ids,
+                                           remat=cfg.remat)  # fmt: skip
+            aux = aux / cfg.num_layers
+        else:
+            block = lambda state, x, positions, segment_ids: nnx.merge(graphdef, state)(x, positions, segment_ids)
+            x = sk.layers.apply_stack(block, layer_state, x, positions, segment_ids, remat=cfg.remat)
+            aux = None
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         with sk.scope("head"):  # a strategy may give the output projection rules of its own (Strategy.scopes)
             logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=_f32(dt))
-            return sk.constrain(logits, (BATCH, SEQ, VOCAB))
+            logits = sk.constrain(logits, (BATCH, SEQ, VOCAB))
+        return (logits, aux) if return_aux else logits
 
-    def loss(self, batch: dict[str, jax.Array]) -> jax.Array:
+    def loss(self, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         return lm_loss(self, batch)
 
     def validate_batch(self, batch: dict[str, jax.Array]) -> None:

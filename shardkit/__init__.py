@@ -16,7 +16,7 @@ from shardkit.init import (
     state_logical_axes,
 )
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
-from shardkit.parallel import hetero, pipeline, sdp, spatial, tensor3d  # sdp after train: its step builds on it
+from shardkit.parallel import hetero, moe, pipeline, sdp, spatial, tensor3d  # sdp after train: its step builds on it
 from shardkit.rules import constrain, logical_to_spec, scope, use_rules
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.train import TrainState, TrainStep, make_train_step
@@ -53,6 +53,7 @@ __all__ = [
     "make_mesh",
     "make_train_step",
     "mesh_shape_str",
+    "moe",
     "param_logical_axes",
     "param_shardings",
     "pipeline",

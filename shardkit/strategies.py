@@ -26,7 +26,7 @@ from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh
 #: transformer's, then the CNNs' (`depth` is a volume's third spatial dimension; `classes` a classifier's output).
 #: A model with names of its own extends a strategy: `sk.strategy("fsdp").extend(my_name=None)`.
 LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
-                "height", "width", "depth", "channels", "classes")  # fmt: skip
+                "experts", "height", "width", "depth", "channels", "classes")  # fmt: skip
 _REPLICATED: dict[str, MeshAxes] = dict.fromkeys(LOGICAL_AXES)
 #: Mesh axis names the strategies use; a rule may name one the mesh lacks (it is then dropped: data parallelism
 #: without a `data` axis is no data parallelism), but a name outside this list must be in the mesh.
@@ -206,6 +206,27 @@ register_strategy(
         required_axes=("data",),
         description="batch over data; parameters and optimizer state replicated",
         collectives="all-reduce of gradients over data, once per step",
+    )
+)
+register_strategy(
+    Strategy(
+        "ep",
+        _rules(experts="expert"),
+        _rules(batch=("data", "expert"), experts="expert"),
+        required_axes=("expert",),
+        kernels={"moe": "all_to_all"},
+        description="expert parallelism: tokens over data x expert, each device holds E / expert of the experts; "
+        "dispatch and combine by all_to_all over expert (shardkit/parallel/moe.py)",
+        collectives="2 all-to-alls forward + 2 backward per MoE layer over expert; gradient all-reduce of the "
+        "replicated weights over data x expert, of the experts' over data",
+    )
+)
+register_strategy(
+    STRATEGIES["ep"].replace(
+        name="ep_gspmd",
+        kernels={"moe": "einsum"},
+        description="ep's rules with the dispatch / combine einsums left to GSPMD (for comparison with ep: on "
+        "XLA:CPU it all-gathers the dispatched tokens instead of moving them with all-to-alls)",
     )
 )
 register_strategy(

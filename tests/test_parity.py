@@ -102,6 +102,9 @@ def test_every_shipped_strategy_has_a_parity_test():
     # tests/test_sdp.py (per-worker reference; coverage 1 = dp), tests/test_hetero.py (= the even step; Whale's split
     # classifier = one device)
     covered |= {"sdp", "hetero_dp", "dp_split_head"}
+    import test_moe
+
+    covered |= _strategies_trained_by(test_moe.test_gpt_moe_training_equals_one_device)  # ep, ep_gspmd
     assert callable(test_tensor3d.test_gpt_training_under_tp3d_matches_one_device)
     assert callable(test_pipeline.test_pp_tp_matches_one_device)
     missing = set(sk.STRATEGIES) - covered

@@ -63,6 +63,12 @@ def get_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"
     m.remat = "none"  # none | full | dots
     m.init_std = 0.02
+    m.num_experts = 0  # > 0: every block's MLP is a mixture of this many experts (strategy ep / ep_gspmd)
+    m.top_k = 2  # experts per token: 1 Switch, 2 GShard
+    m.capacity_factor = 1.25  # expert capacity per sequence = ceil(top_k x seq_len x factor / experts)
+    m.dropless = False  # capacity = seq_len: no token dropped
+    m.aux_loss_weight = 0.01  # load-balancing loss weight (the loss is 1.0 when balanced)
+    m.z_loss_weight = 1e-3  # router z-loss weight
 
     # --- optimizer: AdamW, linear warmup then cosine decay, global-norm clipping
     c.optimizer = ml_collections.ConfigDict()

@@ -1,0 +1,121 @@
+"""Mixture of experts (shardkit/parallel/moe.py): expert-parallel formulations, memory, dropping, and the loss.
+
+    python -m experiments.bench_moe [--steps 150] [--out experiments/results/bench_moe.json]
+
+One process, 8 CPU devices, a GPT-MoE (4 layers x 64, 8 SwiGLU experts of mlp 128, top-2) on the stdlib corpus:
+1. `ep` (explicit all-to-alls in shard_map) vs `ep_gspmd` (GSPMD's dispatch / combine einsums) on data=2,expert=4:
+   collective bytes per device per step by kind (compiled HLO), XLA temporaries, median step time.
+2. expert parallel (ep: each device holds 8 / 4 experts) vs replicated experts (dp on data=8): per-device
+   parameter + optimizer bytes.
+3. fraction of (token, choice) pairs dropped vs the capacity factor, at initialisation and after training.
+4. validation loss after --steps steps of GPT-MoE vs a dense GPT of equal *active* parameters (mlp 256 = top-2 x
+   128) on the same batches, and the MoE loss's terms.
+CPU devices share the host's cores: step times measure total work, not a cluster's critical path.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import numpy as np
+import optax
+
+import shardkit as sk
+from experiments import data
+from models.gpt import GPT, GPTConfig
+
+MOE = GPTConfig(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+                vocab_size=data.PADDED_VOCAB, max_seq_len=64, num_experts=8, top_k=2, capacity_factor=1.25)  # fmt: skip
+DENSE = dataclasses.replace(MOE, num_experts=0, mlp_dim=256)  # the same active MLP width per token
+SEQ, BATCH = 64, 32
+
+
+def _bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def train(cfg: GPTConfig, strategy: str, mesh_spec: str, it, val, steps: int) -> dict:
+    mesh = sk.make_mesh(mesh_spec)
+    model = sk.sharded_init(lambda rngs: GPT(cfg, rngs=rngs), mesh, strategy, seed=0)
+    step = sk.make_train_step(model, optax.adamw(3e-3), mesh, strategy)
+    state = step.init_state()
+    first = it(0)
+    compiled = step.lower(state, first).compile()
+    colls: dict[str, float] = {}
+    for c in sk.hlo.collectives(compiled, mesh):
+        colls[c.kind] = colls.get(c.kind, 0.0) + c.bytes_sent
+    out = dict(strategy=strategy, mesh=mesh_spec, state_bytes=_bytes((state.params, state.opt_state)),
+               temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes), bytes_by_kind=colls)  # fmt: skip
+    times, metrics = [], {}
+    for i in range(steps):
+        t = time.perf_counter()
+        state, metrics = step(state, it(i))
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    out.update(step_s=statistics.median(times[min(3, steps - 1) :]), val_loss=float(step.eval_loss(state, val)),
+               final={k: float(v) for k, v in metrics.items()})  # fmt: skip
+    return out
+
+
+def dropped(cfg: GPTConfig, factor: float, it) -> float:
+    """Dropped fraction at initialisation, one device, for capacity factor `factor`."""
+    c = dataclasses.replace(cfg, capacity_factor=factor)
+    mesh = sk.make_mesh("data=1", jax.devices()[:1])
+    model = sk.sharded_init(lambda rngs: GPT(c, rngs=rngs), mesh, "dp", seed=0)
+    return float(model.loss(it(0))[1]["moe_dropped"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--out", default="experiments/results/bench_moe.json")
+    args = parser.parse_args()
+    ds = data.load_dataset()
+    loader = data.BatchIterator(ds, BATCH, SEQ)
+    it = lambda i: {k: np.asarray(v) for k, v in loader.batch(i).items()}
+    vals = data.val_batches(ds, 4, BATCH, SEQ)
+    val = {k: np.concatenate([v[k] for v in vals]) for k in vals[0]}
+    runs = [train(MOE, "ep", "data=2,expert=4", it, val, args.steps),
+            train(MOE, "ep_gspmd", "data=2,expert=4", it, val, args.steps),
+            train(MOE, "dp", "data=8", it, val, args.steps),
+            train(DENSE, "dp", "data=8", it, val, args.steps)]  # fmt: skip
+    runs[3]["strategy"] = "dp (dense GPT)"
+    ep, gs, rep, dense = runs
+    total = lambda r: sum(r["bytes_by_kind"].values())
+    print(f"\nGPT-MoE {MOE.num_layers} x {MOE.d_model}, {MOE.num_experts} experts x mlp {MOE.mlp_dim}, top-{MOE.top_k}, "
+          f"cf {MOE.capacity_factor}; {args.steps} steps, batch {BATCH} x {SEQ}; 8 CPU devices")  # fmt: skip
+    print(f"{'run':<16} {'mesh':<16} {'state/dev KiB':>13} {'temp MiB':>9} {'sent KiB/step':>14} {'step ms':>8} "
+          f"{'val loss':>9}  bytes by kind")  # fmt: skip
+    for r in runs:
+        kinds = ", ".join(f"{k} {v / 1024:.0f}" for k, v in sorted(r["bytes_by_kind"].items()) if v > 1024)
+        print(f"{r['strategy']:<16} {r['mesh']:<16} {r['state_bytes'] / 1024:13.0f} {r['temp_bytes'] / 2**20:9.1f} "
+              f"{total(r) / 1024:14.0f} {r['step_s'] * 1e3:8.1f} {r['val_loss']:9.4f}  {kinds}")  # fmt: skip
+    ratios = dict(gspmd_bytes_over_a2a=total(gs) / total(ep), gspmd_time_over_a2a=gs["step_s"] / ep["step_s"],
+                  gspmd_temp_over_a2a=gs["temp_bytes"] / ep["temp_bytes"],
+                  replicated_state_over_ep=rep["state_bytes"] / ep["state_bytes"],
+                  moe_minus_dense_val=ep["val_loss"] - dense["val_loss"])  # fmt: skip
+    print("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    drops = {f: dropped(MOE, f, it) for f in (0.5, 1.0, 1.25, 2.0)}
+    print("dropped at init vs capacity factor: " + ", ".join(f"cf {f}: {d:.1%}" for f, d in drops.items()))
+    print(f"after training (cf {MOE.capacity_factor}, ep): dropped {ep['final']['moe_dropped']:.1%}, "
+          f"aux {ep['final']['moe_aux']:.3f} (1 = balanced), z {ep['final']['moe_z']:.3f}")
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(runs=runs, ratios=ratios, dropped_at_init=drops, moe=dataclasses.asdict(MOE),
+                                    steps=args.steps), indent=1))  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Mixture-of-experts routing and expert parallelism (GShard, Lepikhin et al. 2006.16668; Switch, Fedus et al.
+2101.03961), as the `moe` kernel slot.
+
+Routing (`route`) works on groups of tokens ([G, S, M]: the GPT's groups are its sequences): a softmax router,
+top-k experts per token (k = 1 Switch, k = 2 GShard), each expert taking at most C tokens per group. First
+choices fill the experts in token order; second choices queue behind *all* first choices of the group (GShard);
+a token past its expert's capacity is dropped for that expert (its output keeps only the residual), unless C = S
+(`dropless`: no expert can receive more than S tokens of a group, first and second choices together). GShard
+renormalises the two gates to sum to 1; Switch keeps the top-1 probability. Returned: dispatch and combine
+tensors [G, S, E, C], the load-balancing loss mean_e(f_e p_e) E^2 (f_e: fraction of first choices sent to e,
+p_e: mean router probability of e; 1 when balanced) and the router z-loss mean(logsumexp(logits)^2).
+
+Applying the experts (`apply`, the slot's entry point) dispatches [G, S, M] -> [E, G, C, M], runs
+`expert_fn(params, xe)` and combines back. Kernels:
+- `einsum` (default): the dispatch and combine einsums under GSPMD (MaxText's / Flaxformer's formulation),
+  the experts' weights and the [E, G, C, M] buffer sharded by the rules (`experts`).
+- `all_to_all`: expert parallelism in one `shard_map` over the batch mesh axes, groups sharded over all of
+  them, experts over `expert`: local dispatch of the device's groups to all E experts, one `all_to_all` over
+  `expert` ([E, G_l, C, M] -> [E / X, X G_l, C, M]: each device gets its experts' tokens from every device of
+  the axis), the local experts, one `all_to_all` back, local combine. Exactly 2 all-to-alls forward (and their
+  2 transposes backward) of E G_l C M elements per device per MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardkit import kernels
+from shardkit.errors import ShardkitError
+
+kernels.DEFAULTS.setdefault("moe", "einsum")
+ExpertFn = Callable[[Any, jax.Array], jax.Array]  # (expert params with a leading E dim, [E, N, C, M]) -> same
+
+
+def capacity(tokens: int, experts: int, top_k: int, factor: float, dropless: bool = False) -> int:
+    """Tokens per expert per group: ceil(k S cf / E) (at least 1), or S when dropless."""
+    if dropless:
+        return tokens
+    return max(1, min(tokens, math.ceil(top_k * tokens * factor / experts)))
+
+
+def route(logits: jax.Array, top_k: int, cap: int, *, normalize: bool | None = None) -> dict[str, jax.Array]:
+    """logits [G, S, E] -> {"dispatch", "combine": [G, S, E, C], "aux_loss", "z_loss", "dropped"} (module doc)."""
+    if top_k not in (1, 2):
+        raise ShardkitError(f"top_k={top_k}: 1 (Switch) or 2 (GShard)")
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    g, s, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    first = jax.nn.one_hot(jnp.argmax(probs, axis=-1), e, dtype=probs.dtype)  # [G, S, E]
+    pos1 = jnp.cumsum(first, axis=1) - 1  # position in its expert's queue, in token order
+    keep1 = first * (pos1 < cap)
+    gate1 = jnp.sum(probs * first, axis=-1)  # [G, S]
+    slots = [(keep1, pos1, gate1)]
+    if top_k == 2:
+        second = jax.nn.one_hot(jnp.argmax(probs * (1 - first), axis=-1), e, dtype=probs.dtype)
+        pos2 = jnp.cumsum(second, axis=1) - 1 + jnp.sum(first, axis=1, keepdims=True)  # behind all first choices
+        keep2 = second * (pos2 < cap)
+        gate2 = jnp.sum(probs * second, axis=-1)
+        if normalize is None or normalize:
+            denom = gate1 + gate2
+            gate1, gate2 = gate1 / denom, gate2 / denom
+        slots = [(keep1, pos1, gate1), (keep2, pos2, gate2)]
+    dispatch = jnp.zeros((g, s, e, cap), probs.dtype)
+    combine = jnp.zeros((g, s, e, cap), probs.dtype)
+    for keep, pos, gate in slots:
+        where = keep[..., None] * jax.nn.one_hot(pos.astype(jnp.int32), cap, dtype=probs.dtype)  # [G, S, E, C]
+        dispatch = dispatch + where
+        combine = combine + where * gate[..., None, None]
+    density, mean_prob = jnp.mean(first, axis=1), jnp.mean(probs, axis=1)  # [G, E]
+    aux = jnp.mean(density * mean_prob) * e * e
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    dropped = 1.0 - jnp.sum(dispatch) / (g * s * top_k)  # fraction of (token, choice) pairs over capacity
+    return {"dispatch": dispatch, "combine": combine, "aux_loss": aux, "z_loss": z, "dropped": dropped}
+
+
+def _einsum(x: jax.Array, dispatch: jax.Array, combine: jax.Array, expert_fn: ExpertFn, params: Any, *,
+            context: Any = None) -> jax.Array:  # fmt: skip
+    """GSPMD's formulation. The expert buffer [E, G, C, M] is pinned with the groups sharded over the batch axes
+    *minus* the experts' (a mesh axis can shard one dimension): GSPMD then moves the tokens with all-to-alls.
+    Naming the experts' axis on both (or leaving G over all batch axes) makes it replicate the dispatch with
+    all-gathers instead (ALGORITHMS.md §11)."""
+    xe = jnp.einsum("gsec,gsm->egcm", dispatch.astype(x.dtype), x)
+    if context is not None:
+        mesh, rules = context.mesh, context.rules
+        on = lambda name: tuple(a for a in (rules.get(name) or ()) if a in mesh.shape)
+        experts = on("experts")
+        groups = tuple(a for a in on("batch") if a not in experts)
+        spec = NamedSharding(mesh, P(experts or None, groups or None, None, on("embed") or None))
+        xe = jax.lax.with_sharding_constraint(xe, spec)
+        ye = jax.lax.with_sharding_constraint(expert_fn(params, xe), spec)
+    else:
+        ye = expert_fn(params, xe)
+    return jnp.einsum("gsec,egcm->gsm", combine.astype(x.dtype), ye)
+
+
+def _all_to_all(x: jax.Array, dispatch: jax.Array, combine: jax.Array, expert_fn: ExpertFn, params: Any, *,
+                context: Any = None) -> jax.Array:  # fmt: skip
+    if context is None:
+        raise ShardkitError("the all_to_all MoE kernel runs inside a train step (it needs the mesh and the rules)")
+    mesh, rules = context.mesh, context.rules
+    batch = tuple(a for a in (rules.get("batch") or ()) if a in mesh.shape)
+    expert = tuple(a for a in (rules.get("experts") or ()) if a in mesh.shape)
+    if len(expert) != 1 or expert[0] not in batch:
+        raise ShardkitError(
+            f"moe kernel all_to_all: `experts` must map to one mesh axis that also shards `batch` (expert "
+            f"parallelism, e.g. batch -> (data, expert), experts -> expert); the rules give batch {batch}, "
+            f"experts {expert}"
+        )
+    (axis,) = expert
+    n_exp = dispatch.shape[2]
+    if n_exp % mesh.shape[axis]:
+        raise ShardkitError(f"{n_exp} experts do not split over mesh axis {axis!r} of size {mesh.shape[axis]}")
+    groups = math.prod(mesh.shape[a] for a in batch)
+    if x.shape[0] % groups:
+        raise ShardkitError(f"{x.shape[0]} token groups do not split over the batch mesh axes {batch} ({groups})")
+
+    def body(x: jax.Array, dispatch: jax.Array, combine: jax.Array, params: Any) -> jax.Array:
+        xe = jnp.einsum("gsec,gsm->egcm", dispatch.astype(x.dtype), x)  # [E, G_l, C, M]: every expert
+        xe = jax.lax.all_to_all(xe, axis, 0, 1, tiled=True)  # [E / X, X G_l, C, M]: this device's experts
+        ye = expert_fn(params, xe)
+        ye = jax.lax.all_to_all(ye, axis, 1, 0, tiled=True)  # back: [E, G_l, C, M]
+        return jnp.einsum("gsec,egcm->gsm", combine.astype(x.dtype), ye)
+
+    rows = P(batch)
+    spec = jax.tree.map(lambda _: P(axis), params)
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, spec), out_specs=rows, check_vma=False)(
+        x, dispatch, combine, params
+    )
+
+
+kernels.register("moe", "einsum", _einsum, description="dispatch / combine einsums under GSPMD")
+kernels.register("moe", "all_to_all", _all_to_all, description="expert parallelism: 2 all-to-alls per layer")
+
+
+def apply(x: jax.Array, routing: dict[str, jax.Array], expert_fn: ExpertFn, params: Any) -> jax.Array:
+    """[G, S, M] -> [G, S, M]: the experts on their dispatched tokens, combined, by the active `moe` kernel."""
+    kernel, _, ctx = kernels.active("moe")
+    return kernel.fn(x, routing["dispatch"], routing["combine"], expert_fn, params, context=ctx)
+
+
+__all__ = ["apply", "capacity", "route"]
