@@ -93,8 +93,8 @@ def main() -> None:
     runs[3]["strategy"] = "dp (dense GPT)"
     ep, gs, rep, dense = runs
     total = lambda r: sum(r["bytes_by_kind"].values())
-    print(f"\nGPT-MoE {MOE.num_layers} x {MOE.d_model}, {MOE.num_experts} experts x mlp {MOE.mlp_dim}, top-{MOE.top_k}, "
-          f"cf {MOE.capacity_factor}; {args.steps} steps, batch {BATCH} x {SEQ}; 8 CPU devices")  # fmt: skip
+    print(f"\nGPT-MoE {MOE.num_layers} x {MOE.d_model}, {MOE.num_experts} experts x mlp {MOE.mlp_dim}, "
+          f"top-{MOE.top_k}, cf {MOE.capacity_factor}; {args.steps} steps, batch {BATCH} x {SEQ}; 8 CPU devices")
     print(f"{'run':<16} {'mesh':<16} {'state/dev KiB':>13} {'temp MiB':>9} {'sent KiB/step':>14} {'step ms':>8} "
           f"{'val loss':>9}  bytes by kind")  # fmt: skip
     for r in runs:

@@ -12,8 +12,10 @@ p_e: mean router probability of e; 1 when balanced) and the router z-loss mean(l
 
 Applying the experts (`apply`, the slot's entry point) dispatches [G, S, M] -> [E, G, C, M], runs
 `expert_fn(params, xe)` and combines back. Kernels:
-- `einsum` (default): the dispatch and combine einsums under GSPMD (MaxText's / Flaxformer's formulation),
-  the experts' weights and the [E, G, C, M] buffer sharded by the rules (`experts`).
+- `einsum` (default): the dispatch and combine einsums under GSPMD (MaxText's / Flaxformer's formulation). With
+  expert parallelism the groups and experts are reshaped to their shards and re-pinned (Flaxformer's idiom), so
+  GSPMD moves the tokens with the same 2 all-to-alls as the explicit kernel (a plain constraint on the experts
+  would make it all-gather them instead).
 - `all_to_all`: expert parallelism in one `shard_map` over the batch mesh axes, groups sharded over all of
   them, experts over `expert`: local dispatch of the device's groups to all E experts, one `all_to_all` over
   `expert` ([E, G_l, C, M] -> [E / X, X G_l, C, M]: each device gets its experts' tokens from every device of
@@ -82,22 +84,44 @@ def route(logits: jax.Array, top_k: int, cap: int, *, normalize: bool | None = N
 
 def _einsum(x: jax.Array, dispatch: jax.Array, combine: jax.Array, expert_fn: ExpertFn, params: Any, *,
             context: Any = None) -> jax.Array:  # fmt: skip
-    """GSPMD's formulation. The expert buffer [E, G, C, M] is pinned with the groups sharded over the batch axes
-    *minus* the experts' (a mesh axis can shard one dimension): GSPMD then moves the tokens with all-to-alls.
-    Naming the experts' axis on both (or leaving G over all batch axes) makes it replicate the dispatch with
-    all-gathers instead (ALGORITHMS.md §11)."""
-    xe = jnp.einsum("gsec,gsm->egcm", dispatch.astype(x.dtype), x)
-    if context is not None:
-        mesh, rules = context.mesh, context.rules
-        on = lambda name: tuple(a for a in (rules.get(name) or ()) if a in mesh.shape)
-        experts = on("experts")
-        groups = tuple(a for a in on("batch") if a not in experts)
-        spec = NamedSharding(mesh, P(experts or None, groups or None, None, on("embed") or None))
-        xe = jax.lax.with_sharding_constraint(xe, spec)
-        ye = jax.lax.with_sharding_constraint(expert_fn(params, xe), spec)
-    else:
-        ye = expert_fn(params, xe)
-    return jnp.einsum("gsec,egcm->gsm", combine.astype(x.dtype), ye)
+    """GSPMD's formulation, with Flaxformer's reshape idiom when the experts' mesh axis X also shards the groups.
+
+    A plain constraint putting the experts on X (while the groups were on X) makes GSPMD replicate the dispatch
+    with all-gathers (ALGORITHMS.md §11). Instead the group dimension is reshaped to its shards (D, X, G_l) and
+    the experts to (X, E / X); re-pinning X from the groups' factor to the experts' factor is what GSPMD compiles
+    to one all-to-all, and the reverse on the way back."""
+    axes = _expert_axes(context)
+    if axes is None:  # no expert parallelism: the plain einsums, sharded by the rules
+        xe = jnp.einsum("gsec,gsm->egcm", dispatch.astype(x.dtype), x)
+        return jnp.einsum("gsec,egcm->gsm", combine.astype(x.dtype), expert_fn(params, xe))
+    mesh, axis, rest = context.mesh, *axes
+    d = math.prod(mesh.shape[a] for a in rest)
+    nx = mesh.shape[axis]
+    g, _, e, c = dispatch.shape
+    m = x.shape[-1]
+    pin = lambda t, *spec: jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P(*spec)))
+    rest = rest or None
+    xe = jnp.einsum("gsec,gsm->gecm", dispatch.astype(x.dtype), x)  # local: [G, E, C, M], G over (rest, X)
+    xe = pin(xe.reshape(d, nx, g // (d * nx), nx, e // nx, c, m), rest, axis)  # X on the groups' factor
+    xe = pin(xe, rest, None, None, axis)  # X moved to the experts' factor: one all-to-all
+    xe = xe.transpose(3, 4, 0, 1, 2, 5, 6).reshape(e, g, c, m)  # [E, G, C, M]: E over X, G over the rest
+    ye = pin(expert_fn(params, pin(xe, axis, rest)), axis, rest)
+    ye = ye.reshape(nx, e // nx, d, nx, g // (d * nx), c, m).transpose(2, 3, 4, 0, 1, 5, 6)  # [D, Xg, Gl, Xe, El]
+    ye = pin(ye, rest, None, None, axis)
+    ye = pin(ye, rest, axis).reshape(g, e, c, m)  # back to the groups: the second all-to-all
+    return jnp.einsum("gsec,gecm->gsm", combine.astype(x.dtype), ye)
+
+
+def _expert_axes(context: Any) -> tuple[str, tuple[str, ...]] | None:
+    """(the experts' mesh axis, the other batch axes) when the experts' axis also shards the batch, else None."""
+    if context is None:
+        return None
+    mesh, rules = context.mesh, context.rules
+    on = lambda name: tuple(a for a in (rules.get(name) or ()) if a in mesh.shape and mesh.shape[a] > 1)
+    experts, batch = on("experts"), on("batch")
+    if len(experts) != 1 or experts[0] not in batch or batch[-1] != experts[0]:
+        return None
+    return experts[0], batch[:-1]
 
 
 def _all_to_all(x: jax.Array, dispatch: jax.Array, combine: jax.Array, expert_fn: ExpertFn, params: Any, *,
