@@ -96,7 +96,13 @@ class GPTConfig:
         falls back to the parameter traffic implied by the rules tables)."""
         from models import gpt_cost
 
-        if strategy not in gpt_cost.MODELLED or self.num_experts:  # MoE: not in the dense formulas
+        if self.num_experts:  # MoE: expert parallelism's all-to-alls only (the dense formulas do not apply)
+            if strategy not in ("ep", "ep_gspmd"):
+                return None
+            batch, seq = next(iter(batch_shapes.values()))[:2]
+            comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
+            return comms, {}, f"models/gpt_cost.py moe_comms ({strategy}: all-to-alls only)"
+        if strategy not in gpt_cost.MODELLED:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         comms = gpt_cost.strategy_comms(strategy, self, mesh, batch, seq, nbytes, backend, gspmd=strategy == "tp3d")

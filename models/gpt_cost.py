@@ -35,6 +35,7 @@ all-reduces; that choice depends on XLA's cost heuristics and is not modelled (l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +124,21 @@ def strategy_comms(
         b.add("all-gather", "data", shard, 1, "updated parameters")
     else:
         b.add("all-reduce", "data", shard, 1, "gradients over data")
+    return _merge(b.rows)
+
+
+def moe_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4) -> list[Comm]:
+    """Expert parallelism's all-to-alls (strategies ep / ep_gspmd): per MoE layer 2 forward + 2 backward over
+    `expert`, each of the [E, G_l, C, d_model] buffer (G_l = sequences per device, C = the capacity per
+    sequence), (X - 1) / X of it sent. Only these: the gradient all-reduces of a MoE step are not modelled."""
+    from shardkit.parallel.moe import capacity
+
+    devices = max(1, math.prod(mesh.values()))
+    cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
+    buffer = cfg.num_experts * (global_batch // devices) * cap * cfg.d_model * nbytes
+    b = _Builder(mesh, ("expert", "data"), "gpu")
+    n = 4 * cfg.num_layers
+    b.add("all-to-all", "expert", buffer * n, n, "MoE dispatch / combine, forward and backward")
     return _merge(b.rows)
 
 
@@ -240,5 +256,6 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
     b.add("all-reduce", "depth,col", (mats + 3) * nb, 2, "grad_norm: all leaves' sums of squares over (depth, col)")
 
 
-__all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "gpt_extra_comms", "memory", "num_params",
+__all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "gpt_extra_comms", "memory", "moe_comms",
+           "num_params",
            "strategy_comms"]  # fmt: skip

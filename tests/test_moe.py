@@ -128,6 +128,11 @@ def test_gpt_moe_training_equals_one_device(name):
             state, m = step(state, batch)
             losses.append(float(m["loss"]))
         results[key] = losses, jax.tree.map(np.asarray, state.params), compiled, mesh, m
+        if key != "one":  # sk.explain: the all-to-alls predicted by formula (models/gpt_cost.py) = compiled
+            report = sk.explain(step, state, batch)
+            n, b = report.predicted_comms["all-to-all", "expert"]
+            got = [c for c in report.collectives if c.kind == "all-to-all"]
+            assert sum(c.count for c in got) == n and sum(c.bytes_sent for c in got) == pytest.approx(b, rel=0.02)
     np.testing.assert_allclose(results[name][0], results["one"][0], rtol=1e-5)
     for got, want in zip(jax.tree.leaves(results[name][1]), jax.tree.leaves(results["one"][1]), strict=True):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
