@@ -11,6 +11,7 @@ grow with depth. Every parameter has `logical_axes` metadata and every major act
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -101,7 +102,8 @@ class GPTConfig:
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
             comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
-            return comms, {}, f"models/gpt_cost.py moe_comms ({strategy}: all-to-alls only)"
+            memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes)
+            return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({strategy}: all-to-alls only)"
         if strategy not in gpt_cost.MODELLED:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
@@ -113,6 +115,11 @@ class GPTConfig:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
         from models import gpt_cost
 
+        if self.num_experts:
+            x = mesh.get("expert", 1)
+            if self.num_experts % x or global_batch % max(1, math.prod(mesh.values())):
+                return f"{self.num_experts} experts / batch {global_batch} do not split over {mesh}"
+            return ""
         return gpt_cost.divisibility(strategy, self, mesh, global_batch)
 
 

@@ -35,6 +35,7 @@ all-reduces; that choice depends on XLA's cost heuristics and is not modelled (l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -140,6 +141,25 @@ def moe_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, n
     n = 4 * cfg.num_layers
     b.add("all-to-all", "expert", buffer * n, n, "MoE dispatch / combine, forward and backward")
     return _merge(b.rows)
+
+
+def moe_memory(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2) -> dict[str, float]:
+    """Bytes per device under ep: the experts' weights over `expert`, the rest replicated (ZeRO's 16 bytes per
+    parameter in mixed precision); activations by the dense block's formula with the MLP width of the k active
+    experts plus the [E, G_l, C, d] dispatch buffers (an approximation: routing tensors are not counted)."""
+    from shardkit.parallel.moe import capacity
+
+    x, devices = mesh.get("expert", 1), max(1, math.prod(mesh.values()))
+    experts = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
+    psi = cfg.num_params() - experts + experts / x
+    tokens = global_batch / devices * seq_len
+    cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
+    active = dataclasses.replace(cfg, num_experts=0, mlp_dim=cfg.mlp_dim * cfg.top_k)
+    acts = cfg.num_layers * (activation_bytes(active, tokens, seq_len, 1, 1, nbytes)
+                             + 2 * cfg.num_experts * global_batch / devices * cap * cfg.d_model * nbytes)  # fmt: skip
+    acts += tokens * cfg.vocab_size * 4 * 2
+    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
+    return {**mem, "total": sum(mem.values())}
 
 
 def num_params(cfg: Any) -> int:
@@ -257,5 +277,4 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
 
 
 __all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "gpt_extra_comms", "memory", "moe_comms",
-           "num_params",
-           "strategy_comms"]  # fmt: skip
+           "moe_memory", "num_params", "strategy_comms"]  # fmt: skip

@@ -198,6 +198,8 @@ def candidates(devices: int, strategies: Sequence[str]) -> list[tuple[str, dict[
                     out.append((s, {"data": devices // (gx * gy * gz), "depth": gz, "row": gy, "col": gx}))
         elif s in ("tp", "tp_sp"):
             out += [(s, {"data": devices // t, "tensor": t}) for t in _pow2(devices) if t > 1]
+        elif s in ("ep", "ep_gspmd"):  # experts over `expert`, tokens over data x expert
+            out += [(s, {"data": devices // x, "expert": x}) for x in _pow2(devices) if x > 1]
         elif s in ("dp", "fsdp"):
             out.append((s, {"data" if s == "dp" else "fsdp": devices}))
         elif s.startswith("spatial"):  # depth / height / width over space / space_h / space_w, batch over data
@@ -206,7 +208,7 @@ def candidates(devices: int, strategies: Sequence[str]) -> list[tuple[str, dict[
                     out.append((s, {"data": devices // (a * b * c), "space": a, "space_h": b, "space_w": c}))
         else:
             raise ShardkitError(
-                f"plan: unknown strategy {s!r}; choose from dp, fsdp, tp, tp_sp, tp3d, spatial[_dp][_halo]"
+                f"plan: unknown strategy {s!r}; choose from dp, fsdp, tp, tp_sp, tp3d, ep, spatial[_dp][_halo]"
             )
     return out
 

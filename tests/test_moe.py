@@ -146,3 +146,14 @@ def test_gpt_moe_training_equals_one_device(name):
     assert {c.result_bytes for c in a2a} == {CFG.num_experts * 2 * cap * CFG.d_model * 4}
     # no activation all-gather (GSPMD's pitfall with a plain constraint on the experts: ALGORITHMS.md §11)
     assert not any(c.kind == "all-gather" and c.result_bytes >= 2 * 16 * CFG.d_model for c in colls)
+
+
+def test_plan_covers_expert_parallelism():
+    cfg = GPTConfig(num_layers=24, d_model=1024, num_heads=16, num_kv_heads=16, head_dim=64, mlp_dim=2816,
+                    vocab_size=50304, num_experts=8)  # fmt: skip
+    plans = {p.mesh["expert"]: p for p in sk.plan(cfg, devices=8, hardware="gpu_8xh100", global_batch=32,
+                                                  seq_len=1024, strategies=("ep",))}  # fmt: skip
+    assert set(plans) == {2, 4, 8}
+    # more expert parallelism: less memory per device (the experts split further), more all-to-all traffic
+    assert plans[8].memory["params"] < plans[4].memory["params"] < plans[2].memory["params"]
+    assert plans[8].comm_bytes > plans[2].comm_bytes
