@@ -98,7 +98,7 @@ class GPTConfig:
         from models import gpt_cost
 
         if self.num_experts:  # MoE: expert parallelism's all-to-alls only (the dense formulas do not apply)
-            if strategy not in ("ep", "ep_gspmd"):
+            if strategy not in ("ep", "ep_gspmd", "ep_tp", "ep_fsdp"):
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
             comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)

@@ -134,7 +134,7 @@ def moe_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, n
     sequence), (X - 1) / X of it sent. Only these: the gradient all-reduces of a MoE step are not modelled."""
     from shardkit.parallel.moe import capacity
 
-    devices = max(1, math.prod(mesh.values()))
+    devices = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))  # the batch axes of ep*
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
     buffer = cfg.num_experts * (global_batch // devices) * cap * cfg.d_model * nbytes
     b = _Builder(mesh, ("expert", "data"), "gpu")
@@ -149,9 +149,10 @@ def moe_memory(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, 
     experts plus the [E, G_l, C, d] dispatch buffers (an approximation: routing tensors are not counted)."""
     from shardkit.parallel.moe import capacity
 
-    x, devices = mesh.get("expert", 1), max(1, math.prod(mesh.values()))
+    x, devices = mesh.get("expert", 1), math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    shard = mesh.get("tensor", 1) * mesh.get("fsdp", 1)  # ep_tp: experts' mlp over tensor; ep_fsdp: embed over fsdp
     experts = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
-    psi = cfg.num_params() - experts + experts / x
+    psi = (cfg.num_params() - experts) / mesh.get("fsdp", 1) + experts / (x * shard)
     tokens = global_batch / devices * seq_len
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
     active = dataclasses.replace(cfg, num_experts=0, mlp_dim=cfg.mlp_dim * cfg.top_k)

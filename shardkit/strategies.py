@@ -222,6 +222,28 @@ register_strategy(
     )
 )
 register_strategy(
+    Strategy(
+        "ep_tp",
+        _rules(experts="expert", mlp="tensor"),
+        _rules(batch=("data", "expert"), experts="expert", mlp="tensor"),
+        required_axes=("expert", "tensor"),
+        kernels={"moe": "all_to_all"},
+        description="ep with every expert's MLP tensor-split (Megatron's column / row split of mlp over tensor)",
+        collectives="ep's all-to-alls over expert; an all-reduce over tensor of each expert MLP's output",
+    )
+)
+register_strategy(
+    Strategy(
+        "ep_fsdp",
+        _rules(experts="expert", embed="fsdp"),
+        _rules(batch=("data", "fsdp", "expert"), experts="expert"),
+        required_axes=("expert", "fsdp"),
+        kernels={"moe": "all_to_all"},
+        description="ep with ZeRO-3: tokens over data x fsdp x expert, parameters (and the experts' slices) over fsdp",
+        collectives="ep's all-to-alls over expert; parameter all-gathers and gradient reduce-scatters over fsdp",
+    )
+)
+register_strategy(
     STRATEGIES["ep"].replace(
         name="ep_gspmd",
         kernels={"moe": "einsum"},

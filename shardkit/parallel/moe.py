@@ -154,9 +154,9 @@ def _all_to_all(x: jax.Array, dispatch: jax.Array, combine: jax.Array, expert_fn
 
     rows = P(batch)
     spec = jax.tree.map(lambda _: P(axis), params)
-    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, spec), out_specs=rows, check_vma=False)(
-        x, dispatch, combine, params
-    )
+    # manual over the batch axes only: other axes (tensor-split expert MLPs) stay GSPMD's inside the kernel
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, spec), out_specs=rows, axis_names=set(batch),
+                         check_vma=False)(x, dispatch, combine, params)  # fmt: skip
 
 
 kernels.register("moe", "einsum", _einsum, description="dispatch / combine einsums under GSPMD")
