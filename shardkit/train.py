@@ -67,6 +67,19 @@ def _param_specs(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
+def require_one_axis(mesh: Mesh, axis: str, who: str, microbatches: int) -> None:
+    """The checks of a step that runs one `shard_map` over one mesh axis (sdp, hetero_dp): that axis alone, the
+    batch whole."""
+    if microbatches != 1:
+        raise ShardkitError(f"microbatches={microbatches}: {who} takes the batch whole (leave microbatches at 1)")
+    extra = {a: n for a, n in mesh.shape.items() if a != axis and n > 1}
+    if axis not in mesh.shape or extra:
+        raise ShardkitError(
+            f"{who} runs over the mesh axis {axis!r} alone (its devices are the workers); the mesh "
+            f"{dict(mesh.shape)} {'has ' + str(extra) if extra else 'lacks it'}: use e.g. --config.mesh={axis}=8"
+        )
+
+
 def _check_alive(tree: Any, what: str) -> None:
     """A ShardkitError, not a crash in XLA, for arrays a donating step has consumed."""
     if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree)):
@@ -457,20 +470,14 @@ def make_train_step(
 
     A subnetwork-data-parallel strategy (`sk.sdp.strategy(...)`, `Strategy.sdp` set) gets its own step class
     (shardkit/parallel/sdp.py) with the same interface."""
-    if get_strategy(strategy).hetero is not None:
-        from shardkit.parallel.hetero_step import HeteroTrainStep
-
-        return HeteroTrainStep(
-            model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
-            donate=donate,
-        )  # fmt: skip
-    if get_strategy(strategy).sdp is not None:
-        from shardkit.parallel.sdp_step import SDPTrainStep
-
-        return SDPTrainStep(
-            model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
-            donate=donate,
-        )  # fmt: skip
+    chosen = get_strategy(strategy)
+    if chosen.hetero is not None or chosen.sdp is not None:  # steps of their own (shardkit/parallel/)
+        if chosen.hetero is not None:
+            from shardkit.parallel.hetero_step import HeteroTrainStep as Step
+        else:
+            from shardkit.parallel.sdp_step import SDPTrainStep as Step
+        return Step(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes,
+                    microbatches=microbatches, donate=donate)  # fmt: skip
     return TrainStep(
         model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
         donate=donate,

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit.errors import ShardkitError
 from shardkit.parallel.hetero import HeteroConfig, even_split, simulated_step_time
-from shardkit.train import TrainState, TrainStep, _check_alive, global_norm
+from shardkit.train import TrainState, TrainStep, _check_alive, global_norm, require_one_axis
 
 
 class HeteroTrainStep(TrainStep):
@@ -39,11 +39,7 @@ class HeteroTrainStep(TrainStep):
         super().__init__(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, donate=donate)
         cfg: HeteroConfig = self.strategy.hetero
         self.cfg, axis = cfg, cfg.axis
-        if microbatches != 1:
-            raise ShardkitError(f"microbatches={microbatches}: hetero_dp's micro-batches are its counts; leave it 1")
-        extra = {a: n for a, n in mesh.shape.items() if a != axis and n > 1}
-        if axis not in mesh.shape or extra:
-            raise ShardkitError(f"hetero_dp runs over the mesh axis {axis!r} alone; the mesh is {dict(mesh.shape)}")
+        require_one_axis(mesh, axis, "hetero_dp", microbatches)
         if len(cfg.counts) != mesh.shape[axis]:
             raise ShardkitError(
                 f"hetero counts {list(cfg.counts)} name {len(cfg.counts)} devices but the {axis!r} axis has "

@@ -39,7 +39,7 @@ from shardkit.parallel.sdp import (
     slots,
     unpack,
 )
-from shardkit.train import TrainState, TrainStep, _check_alive, global_norm, norm_weights
+from shardkit.train import TrainState, TrainStep, _check_alive, global_norm, norm_weights, require_one_axis
 
 
 def _is_split(x: Any) -> bool:
@@ -66,14 +66,7 @@ class SDPTrainStep(TrainStep):
         super().__init__(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, donate=donate)
         cfg: SDPConfig = self.strategy.sdp
         self.cfg, axis = cfg, cfg.axis
-        if microbatches != 1:
-            raise ShardkitError(f"microbatches={microbatches}: the sdp step takes the batch whole (1) in this version")
-        extra = {a: n for a, n in mesh.shape.items() if a != axis and n > 1}
-        if axis not in mesh.shape or extra:
-            raise ShardkitError(
-                f"sdp runs over the mesh axis {axis!r} alone (its devices are the workers); the mesh "
-                f"{dict(mesh.shape)} {'has ' + str(extra) if extra else 'lacks it'}: use e.g. --config.mesh={axis}=8"
-            )
+        require_one_axis(mesh, axis, "sdp", microbatches)
         self.workers = w = mesh.shape[axis]
         full = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(model)[1]))
         rest_state = split_params(model)[2]
