@@ -11,7 +11,6 @@ grow with depth. Every parameter has `logical_axes` metadata and every major act
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import jax
@@ -116,10 +115,7 @@ class GPTConfig:
         from models import gpt_cost
 
         if self.num_experts:
-            x = mesh.get("expert", 1)
-            if self.num_experts % x or global_batch % max(1, math.prod(mesh.values())):
-                return f"{self.num_experts} experts / batch {global_batch} do not split over {mesh}"
-            return ""
+            return gpt_cost.moe_divisibility(self, mesh, global_batch)
         return gpt_cost.divisibility(strategy, self, mesh, global_batch)
 
 

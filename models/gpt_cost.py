@@ -143,6 +143,14 @@ def moe_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, n
     return _merge(b.rows)
 
 
+def moe_divisibility(cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
+    """Why a MoE GPT does not split over `mesh` under ep* ("" if it does): experts over expert, batch over the rest."""
+    batch = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    if cfg.num_experts % mesh.get("expert", 1) or global_batch % batch:
+        return f"{cfg.num_experts} experts / batch {global_batch} do not split over {mesh}"
+    return ""
+
+
 def moe_memory(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2) -> dict[str, float]:
     """Bytes per device under ep: the experts' weights over `expert`, the rest replicated (ZeRO's 16 bytes per
     parameter in mixed precision); activations by the dense block's formula with the MLP width of the k active
@@ -278,4 +286,4 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
 
 
 __all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "gpt_extra_comms", "memory", "moe_comms",
-           "moe_memory", "num_params", "strategy_comms"]  # fmt: skip
+           "moe_divisibility", "moe_memory", "num_params", "strategy_comms"]  # fmt: skip

@@ -22,7 +22,6 @@ compute dtype; parameters, gradients, the loss and the optimizer stay fp32.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit import batch as batching
 from shardkit import kernels
 from shardkit.batch import Batch, BatchAxes
+from shardkit.clipping import clip_by_global_norm, global_norm, norm_weights
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes, state_shardings
 from shardkit.rules import flax_rules, logical_to_spec, use_rules
@@ -415,44 +415,6 @@ class TrainStep:
         metrics = {**aux, "loss": loss, "grad_norm": global_norm(grads)}
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new, metrics
-
-
-#: Per-leaf weights of the gradient's norm while a step traces its update: None (every element once), or, for a
-#: layout that stores a parameter once per holder (subnetwork data parallelism), 1 / holder count.
-_NORM_WEIGHTS: contextvars.ContextVar[Any] = contextvars.ContextVar("shardkit_norm_weights", default=None)
-
-
-@contextlib.contextmanager
-def norm_weights(weights: Any) -> Iterator[None]:
-    """`global_norm` (and so `clip_by_global_norm`) weights each leaf by `weights` (a matching pytree) here."""
-    token = _NORM_WEIGHTS.set(weights)
-    try:
-        yield
-    finally:
-        _NORM_WEIGHTS.reset(token)
-
-
-def global_norm(tree: Any) -> jax.Array:
-    """The L2 norm of the model's gradient `tree`: optax.tree.norm, or under `norm_weights` sqrt(sum w x^2), so
-    that a parameter stored once per holder is counted once."""
-    weights = _NORM_WEIGHTS.get()
-    if weights is None:
-        return optax.tree.norm(tree)
-    squares = jax.tree.map(lambda x, w: jnp.sum(w * jnp.square(x.astype(jnp.float32))), tree, weights)
-    return jnp.sqrt(sum(jax.tree.leaves(squares), start=jnp.zeros((), jnp.float32)))
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """optax.clip_by_global_norm with the norm of `global_norm`: the same update for every strategy, including
-    those that store a parameter on several devices (SDP's holders)."""
-
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        norm = global_norm(updates)
-        trigger = jnp.squeeze(norm < max_norm)
-        clipped = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), updates)
-        return clipped, state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def make_train_step(
