@@ -1,7 +1,7 @@
 """Benchmark the context-parallel attentions on 8 CPU devices: memory, time, causal balance, a peer kernel.
 
     python -m experiments.bench_attention [--out experiments/results/bench_attention.json]
-        [--mem-seqs 4096,8192,16384,32768] [--time-seqs 2048,4096] [--reps 5]
+        [--mem-seqs 4096,8192,16384,32768] [--time-seqs 2048,4096,8192,16384] [--dense-max 8192] [--reps 5]
 
 Causal attention, fwd + bwd (the vjp of the output w.r.t. q, k, v), fp32, batch 1, 8 heads of 32, chunks of
 256 (MHA, so the peer kernel, which has no GQA, runs the same problem). Kernels: ring attention in the three layouts and
@@ -12,14 +12,19 @@ Ulysses on mesh seq=8, USP on seq_u=2 x seq_r=4 (zigzag). One process; all figur
    sequence sharded over seq=8 and XLA left to gather K, V (each device then holds [S/8, S] scores). Compiled
    only, so the seq can go past what this host could run.
 2. time: fastest of `--reps` runs, interleaved across kernels, after a warm-up, against dense attention on ONE
-   device for the same S (the same total work: the 8 virtual devices share this host's cores, so the ratio
-   measures the kernel's overhead and its causal skipping, not scaling; dense computes the masked half too,
-   the kernels skip it). Other work on a shared host still moves these times by tens of percent.
+   device for the same S up to `--dense-max` (it holds [S, S] scores per head; above that the numerics are
+   compared with ring:contiguous instead). The 8 virtual devices share this host's cores, so the time is the
+   total work of all devices, not the critical path: the ratio measures the kernel's overhead and its causal
+   skipping, not scaling (dense computes the masked half too, the kernels skip it). Other work on a shared
+   host still moves these times by tens of percent.
 3. causal load balance: attention FLOPs per device, counted from the kernels' own skip rule (a chunk pair runs
-   iff some query position >= some key position) at the kernels' chunk size; max / mean over the 8 devices.
-4. peer: `ringattention` (PyPI, pure-JAX `ringattention_jax.ring_attention`, contiguous layout, same chunk
-   sizes, causal_block_size=1) on the same inputs: time and max relative difference of output and gradients.
-   Its top-level import fails on current JAX, so the module file is loaded directly.
+   iff some query position >= some key position) at the kernels' chunk size; max / mean over the 8 devices,
+   and the critical path (the busiest device's FLOPs) of each layout relative to zigzag's.
+4. peer: `ringattention` 0.1.2 (PyPI, pure-JAX `ringattention_jax.ring_attention`, its own custom VJP,
+   contiguous layout, causal_block_size=1) on the same inputs, at query/key chunks of 128 and 256 (its
+   fastest here: 128; 512 and 1024 are slower), against ring:contiguous at the same two chunk sizes: time,
+   `speedup` = peer / ours at the same chunk and best against best, and the max relative difference of output
+   and gradients. Its top-level import fails on current JAX, so the module file is loaded directly.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from shardkit.attention.layouts import layout_perm
 from shardkit.attention.ring import chunk_size
 
 B, H, D, N = 1, 8, 32, 8
-CHUNK = 256  # query/key chunk of every kernel and of the peer: faster than the library's 512 on CPU caches
+CHUNK = 256  # query/key chunk of every kernel: faster than the library's 512 on CPU caches
+PEER_CHUNKS = (128, 256)  # the head-to-head with the peer runs both sides at each of these
 SEQ_AXES = {"seq=8": "seq", "seq_u=2,seq_r=4": ("seq_r", "seq_u")}
 #: name -> (mesh spec, layout, kernel(q, k, v, mesh) on laid-out inputs)
 KERNELS: dict[str, tuple[str, str, Callable[..., jax.Array]]] = {
@@ -136,10 +142,10 @@ def load_peer() -> tuple[Any, str]:
         return None, f"ringattention_jax failed to import: {type(e).__name__}: {e}"
 
 
-def peer_kernel(module: Any, seq: int) -> Callable[..., jax.Array]:
+def peer_kernel(module: Any, seq: int, chunk: int) -> Callable[..., jax.Array]:
     c = seq // N
     kw = dict(
-        causal_block_size=1, query_chunk_size=min(CHUNK, c), key_chunk_size=min(CHUNK, c),
+        causal_block_size=1, query_chunk_size=min(chunk, c), key_chunk_size=min(chunk, c),
         deterministic=True, dropout_rng=None, attn_pdrop=0.0, dtype=jnp.float32,
         policy=jax.checkpoint_policies.nothing_saveable, precision=None, prevent_cse=True,
     )  # fmt: skip
@@ -152,13 +158,19 @@ def peer_kernel(module: Any, seq: int) -> Callable[..., jax.Array]:
     return attn
 
 
-def timing(seq: int, reps: int, peer: Any) -> dict[str, Any]:
+def timing(seq: int, reps: int, peer: Any, dense_max: int) -> dict[str, Any]:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(key, (B, seq, H, D), jnp.float32) for key in keys)
     kernels = dict(KERNELS)
-    if peer is not None:
-        kernels["ringattention_pkg"] = ("seq=8", "contiguous", peer_kernel(peer, seq))
-    programs = {"dense_1dev": (jax.jit(fwd_bwd(dense)), jax.device_put((q, k, v, do), jax.devices()[0]))}
+    for chunk in PEER_CHUNKS:
+        if chunk != CHUNK:
+            ring = lambda q, k, v, m, c=chunk: sk.attention.ring_attention(q, k, v, mesh=m, chunk=c)
+            kernels[f"ring:contiguous@{chunk}"] = ("seq=8", "contiguous", ring)
+        if peer is not None:
+            kernels[f"ringattention_pkg@{chunk}"] = ("seq=8", "contiguous", peer_kernel(peer, seq, chunk))
+    programs = {}
+    if seq <= dense_max:
+        programs["dense_1dev"] = (jax.jit(fwd_bwd(dense)), jax.device_put((q, k, v, do), jax.devices()[0]))
     placed = {}
     for name, (spec, layout, attn) in kernels.items():
         fn, sharding = sharded_program(spec, attn)
@@ -166,15 +178,25 @@ def timing(seq: int, reps: int, peer: Any) -> dict[str, Any]:
         to = lambda x, p=placed[name]: sk.attention.to_layout(x, *p)
         programs[name] = (fn, tuple(jax.device_put(to(x), sharding) for x in (q, k, v, do)))
     results = timed(programs, reps)
-    t_dense, ref = results.pop("dense_1dev")
-    rows: dict[str, Any] = {"dense_1dev_s": t_dense}
-    for name, (t, out) in results.items():
-        out = [sk.attention.from_layout(x, *placed[name]) for x in out]
-        rows[name] = {"s": t, "vs_dense_1dev": t / t_dense, "rel_diff_vs_dense": rel_diff(out, ref)}
-    if "ringattention_pkg" in rows:
-        rows["ringattention_pkg"]["ours_ring_contiguous_speedup"] = (
-            rows["ringattention_pkg"]["s"] / rows["ring:contiguous"]["s"]
-        )
+    outs = {name: [sk.attention.from_layout(x, *placed[name]) for x in out] for name, (_, out) in results.items()
+            if name in placed}  # fmt: skip
+    if "dense_1dev" in results:
+        t_ref, ref, ref_name = results["dense_1dev"][0], results["dense_1dev"][1], "dense_1dev"
+    else:
+        t_ref, ref, ref_name = None, outs["ring:contiguous"], "ring:contiguous"
+    rows: dict[str, Any] = {"dense_1dev_s": t_ref, "numerics_reference": ref_name}
+    for name, out in outs.items():
+        t = results[name][0]
+        rows[name] = {"s": t, "vs_dense_1dev": t / t_ref if t_ref else None, "rel_diff": rel_diff(out, ref)}
+    if peer is not None:
+        ours = lambda c: rows["ring:contiguous" if c == CHUNK else f"ring:contiguous@{c}"]["s"]
+        theirs = lambda c: rows[f"ringattention_pkg@{c}"]["s"]
+        rows["peer"] = {
+            **{f"speedup_at_chunk_{c}": theirs(c) / ours(c) for c in PEER_CHUNKS},
+            "speedup_best_vs_best": min(map(theirs, PEER_CHUNKS)) / min(map(ours, PEER_CHUNKS)),
+            "peer_best_chunk": min(PEER_CHUNKS, key=theirs),
+            "ours_best_chunk": min(PEER_CHUNKS, key=ours),
+        }
     return rows
 
 
@@ -189,6 +211,8 @@ def load_balance(seq: int) -> dict[str, dict[str, float]]:
         pairs = [sum(int((qmax[r][:, None] >= kmin[s][None, :]).sum()) for s in range(N)) for r in range(N)]
         flops = np.array(pairs, float) * cq * cq * 4 * H * D  # QK^T and PV of each computed pair, forward
         out[layout] = {"chunk": cq, "max_over_mean": float(flops.max() / flops.mean()), "per_device": flops.tolist()}
+    for row in out.values():  # the busiest device sets the step time on real hardware
+        row["critical_path_vs_zigzag"] = max(row["per_device"]) / max(out["zigzag"]["per_device"])
     return out
 
 
@@ -202,22 +226,23 @@ def table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append("time fwd+bwd causal, 8 devices sharing the host vs dense on 1 device (s; x = kernel / dense)")
     for seq, rows in result["time"].items():
-        lines.append(f"  seq {seq}: dense 1 device {rows['dense_1dev_s']:.3f} s")
+        dense_s = rows["dense_1dev_s"]
+        lines.append(f"  seq {seq}: dense 1 device " + (f"{dense_s:.3f} s" if dense_s else "not run (--dense-max)"))
         for name, row in rows.items():
-            if isinstance(row, dict):
-                extra = (
-                    f"  ringattention/ours {row['ours_ring_contiguous_speedup']:.2f}x"
-                    if "ours_ring" in str(row)
-                    else ""
-                )
-                lines.append(
-                    f"    {name:<18} {row['s']:8.3f} s {row['vs_dense_1dev']:6.2f}x  "
-                    f"rel diff vs dense {row['rel_diff_vs_dense']:.1e}{extra}"
-                )
+            if isinstance(row, dict) and "s" in row:
+                x = f"{row['vs_dense_1dev']:6.2f}x" if row["vs_dense_1dev"] else "      "
+                lines.append(f"    {name:<22} {row['s']:8.3f} s {x}  rel diff vs {rows['numerics_reference']} "
+                             f"{row['rel_diff']:.1e}")  # fmt: skip
+        if "peer" in rows:
+            p = rows["peer"]
+            same = ", ".join(f"chunk {c}: {p[f'speedup_at_chunk_{c}']:.2f}x" for c in PEER_CHUNKS)
+            lines.append(f"    ringattention / ours: {same}; best vs best {p['speedup_best_vs_best']:.2f}x "
+                         f"(peer at {p['peer_best_chunk']}, ours at {p['ours_best_chunk']})")  # fmt: skip
     lines.append("")
     lines.append(f"causal load balance, N={N}, seq {result['balance_seq']}: max/mean attention FLOPs per device")
     for layout, row in result["balance"].items():
-        lines.append(f"    {layout:<11} {row['max_over_mean']:.3f}  (chunk {row['chunk']})")
+        crit, mean = row["critical_path_vs_zigzag"], row["max_over_mean"]
+        lines.append(f"    {layout:<11} {mean:.3f}  critical path {crit:.2f}x zigzag's (chunk {row['chunk']})")
     lines.append(f"peer: {result['peer']}")
     return "\n".join(lines)
 
@@ -226,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="experiments/results/bench_attention.json")
     parser.add_argument("--mem-seqs", default="4096,8192,16384,32768")
-    parser.add_argument("--time-seqs", default="2048,4096")
+    parser.add_argument("--time-seqs", default="2048,4096,8192,16384")
+    parser.add_argument("--dense-max", type=int, default=8192, help="largest S timed with the dense 1-device reference")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     assert jax.device_count() >= 8, "needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)"
@@ -234,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"config": {"batch": B, "heads": H, "head_dim": D, "ring": N, "dtype": "float32"}}
     result["peer"] = peer_status
     result["memory"] = {int(s): memory(int(s)) for s in args.mem_seqs.split(",")}
-    result["time"] = {int(s): timing(int(s), args.reps, peer) for s in args.time_seqs.split(",")}
+    result["time"] = {int(s): timing(int(s), args.reps, peer, args.dense_max) for s in args.time_seqs.split(",")}
     result["balance_seq"] = max(result["memory"])
     result["balance"] = load_balance(result["balance_seq"])
     result["jax"] = jax.__version__

@@ -11,9 +11,11 @@ per-device work is a scan over query chunks and key chunks with the online softm
 A chunk pair whose every key lies after every query (causal) is skipped by `lax.switch`: the compiled program
 branches around it, so the contiguous layout really idles and zigzag / striped really balance; a pair whose
 every key precedes every query runs without the mask. The backward
-pass recomputes P = exp(S - lse) from the saved log-sum-exp, rotates K, V with their dK, dV accumulators
-(N rotations bring dK, dV home) and keeps dQ local. Grouped-query attention: only the kv heads travel.
-Segment ids (packed documents) travel with their keys. Positions for the causal mask come from the layout
+pass recomputes P = exp(S - lse) from the saved log-sum-exp (only the lse is saved per query row), key-major
+(`_block_bwd`: Sᵀ, dSᵀ, so that no score tile is ever transposed), rotates K, V with their dK, dV accumulators
+(N rotations bring dK, dV home) and keeps dQᵀ local. Every product is a plain batched [m, k] x [k, n] (`_bmm`)
+of operands laid out once per block or ring step, never per chunk pair. Grouped-query attention: only the kv
+heads travel. Segment ids (packed documents) travel with their keys. Positions for the causal mask come from the layout
 formula, never from the data.
 """
 
@@ -77,6 +79,11 @@ def _q_back(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:2], x.shape[2] * x.shape[3], x.shape[4])
 
 
+def _transposed(x: jax.Array) -> jax.Array:
+    """[c/size, b, kv, g, size, d] -> [c/size, b, kv, d, g, size] (the query side of the key-major backward)."""
+    return jnp.moveaxis(x, 5, 3)
+
+
 def _kv_major(x: jax.Array, size: int) -> jax.Array:
     """[b, c, kv, d] -> [c/size, b, kv, size, d]."""
     return jnp.moveaxis(_chunks(x, size), 2, 3)
@@ -96,12 +103,6 @@ def _mask(qpos: jax.Array, kpos: jax.Array, qseg: Any, kseg: Any, causal: bool) 
     return None if mask is None else mask[:, None, None]
 
 
-def _scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """q [b, kv, g, cq, d] (pre-scaled), k [b, kv, ck, d] -> masked fp32 scores [b, kv, g, cq, ck]."""
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    return s if mask is None else jnp.where(mask, s, -jnp.inf)
-
-
 def _dispatch(cfg: RingConfig, qpos: jax.Array, kpos: jax.Array, fn: Any, carry: Any, *args: Any) -> Any:
     """fn(carry, *args, causal=...) for one chunk pair, doing only the work the causal mask leaves.
 
@@ -115,17 +116,30 @@ def _dispatch(cfg: RingConfig, qpos: jax.Array, kpos: jax.Array, fn: Any, carry:
     return lax.switch(case, branches, carry, *args)
 
 
+def _bmm(x: jax.Array, y: jax.Array) -> jax.Array:
+    """[n, i, j] x [n, j, k] -> fp32 [n, i, k], the only product form in these kernels.
+
+    Written with three dimensions and the contraction last-of-x / first-of-y, XLA's CPU dot (XNNPACK) takes
+    the operands as they are. Five-dimensional einsums with a size-1 group axis made it copy the [cq, ck] score
+    tile once more before the row max, at every chunk pair."""
+    return jnp.einsum("nij,njk->nik", x, y, preferred_element_type=jnp.float32)
+
+
 def _block_fwd(cfg: RingConfig, state: tuple, qc: tuple, kc: tuple) -> tuple:
     """One query block x one key block, chunk by chunk: state (o, m, l) stacked over query chunks."""
 
-    def pair(carry: tuple, q, qpos, qseg, k, v, kpos, kseg, *, causal: bool) -> tuple:
+    def pair(carry: tuple, q, qpos, qseg, kt, v, kpos, kseg, *, causal: bool) -> tuple:
         o, m, ell = carry
-        s = _scores(q, k, _mask(qpos, kpos, qseg, kseg, causal))
+        b, kv, g, cq, d = q.shape
+        flat = lambda x: x.reshape(b * kv, *x.shape[2:])  # [b, kv, m, n] -> [b kv, m, n]
+        s = _bmm(q.reshape(b * kv, g * cq, d), flat(kt)).reshape(b, kv, g, cq, -1)
+        mask = _mask(qpos, kpos, qseg, kseg, causal)
+        s = s if mask is None else jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet stay at 0
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
-        pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = _bmm(p.astype(v.dtype).reshape(b * kv, g * cq, -1), flat(v)).reshape(o.shape)
         return alpha[..., None] * o + pv, m_new, alpha * ell + p.sum(-1)
 
     def over_q(_: None, xs: tuple) -> tuple:
@@ -140,32 +154,54 @@ def _block_fwd(cfg: RingConfig, state: tuple, qc: tuple, kc: tuple) -> tuple:
     return lax.scan(over_q, None, (*qc, *state))[1]
 
 
-def _block_bwd(cfg: RingConfig, dq: jax.Array, dkv: tuple, qc: tuple, kc: tuple) -> tuple:
-    """Gradient contributions of one query block x one key block; dq stacked over query chunks, dk, dv over keys."""
+def _mask_t(qpos: jax.Array, kpos: jax.Array, qseg: Any, kseg: Any, causal: bool) -> jax.Array | None:
+    """bool[b or 1, 1, ck, 1, cq]: `_mask` transposed, for the key-major scores of the backward."""
+    mask = (kpos[:, None] <= qpos[None, :])[None] if causal else None
+    if qseg is not None:
+        seg = kseg[:, :, None] == qseg[:, None, :]
+        mask = seg if mask is None else mask & seg
+    return None if mask is None else mask[:, None, :, None]
 
-    def pair(carry: tuple, q, do, lse, delta, qpos, qseg, k, v, kpos, kseg, *, causal: bool) -> tuple:
-        dk, dv, dq_i = carry
-        p = jnp.exp(_scores(q, k, _mask(qpos, kpos, qseg, kseg, causal)) - lse[..., None])
-        dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p, do, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bkgqd,bksd->bkgqs", do, v, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None])
-        dq_i = dq_i + jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=jnp.float32)
-        dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, q, preferred_element_type=jnp.float32)
-        return dk, dv, dq_i
 
-    def over_k(dq: jax.Array, ys: tuple) -> tuple:
-        k, v, kpos, kseg, dk, dv = ys
+def _block_bwd(cfg: RingConfig, dqt: jax.Array, dkv: tuple, qc: tuple, kc: tuple) -> tuple:
+    """Gradient contributions of one query block x one key block; dQᵀ stacked over query chunks, dK, dV over keys.
+
+    Key-major (FlashAttention-2's backward, Dao 2307.08691, with the scores transposed): Sᵀ = K Qᵀ, so that
+    dV = Pᵀ dO, dK = dSᵀ Q and dQᵀ = Kᵀ dSᵀ are all plain [m, k] x [k, n] products of operands laid out once
+    per block. XLA's CPU dot wants exactly that form and would otherwise copy the [ck, cq] tiles P and dS into
+    a transposed layout for every chunk pair: four passes over the tile per pair become two (P, dSᵀ).
+    """
+
+    def pair(carry: tuple, q, qt, do, dot, lse, delta, qpos, qseg, k, kt, v, kpos, kseg, *, causal: bool) -> tuple:
+        dk, dv, dqt_i = carry
+        b, kv, g, cq, d = q.shape
+        rows = lambda x: x.reshape(b * kv, g * cq, d)  # [b, kv, g, cq, d] -> [b kv, g cq, d]
+        cols = lambda x: x.reshape(b * kv, d, g * cq)  # [b, kv, d, g, cq] -> [b kv, d, g cq]
+        flat = lambda x: x.reshape(b * kv, *x.shape[2:])  # [b, kv, m, n] -> [b kv, m, n]
+        st = _bmm(flat(k), cols(qt)).reshape(b, kv, -1, g, cq)
+        mask = _mask_t(qpos, kpos, qseg, kseg, causal)
+        pt = jnp.exp((st if mask is None else jnp.where(mask, st, -jnp.inf)) - lse[:, :, None])
+        pt_flat = pt.reshape(b * kv, -1, g * cq)
+        dv = dv + _bmm(pt_flat, rows(do)).reshape(dv.shape)
+        dpt = _bmm(flat(v), cols(dot)).reshape(pt.shape)
+        dst = (pt * (dpt - delta[:, :, None])).reshape(pt_flat.shape)
+        dk = dk + _bmm(dst, rows(q)).reshape(dk.shape)
+        dqt_i = dqt_i + _bmm(flat(kt), dst).reshape(dqt_i.shape)
+        return dk, dv, dqt_i
+
+    def over_k(dqt: jax.Array, ys: tuple) -> tuple:
+        k, kt, v, kpos, kseg, dk, dv = ys
 
         def over_q(carry: tuple, xs: tuple) -> tuple:
-            q, do, lse, delta, qpos, qseg, dq_i = xs
-            args = (q, do, lse, delta, qpos, qseg, k, v, kpos, kseg)
-            dk, dv, dq_i = _dispatch(cfg, qpos, kpos, pair, (*carry, dq_i), *args)
-            return (dk, dv), dq_i
+            *qs, qpos, qseg, dqt_i = xs
+            args = (*qs, qpos, qseg, k, kt, v, kpos, kseg)
+            dk, dv, dqt_i = _dispatch(cfg, qpos, kpos, pair, (*carry, dqt_i), *args)
+            return (dk, dv), dqt_i
 
-        (dk, dv), dq = lax.scan(over_q, (dk, dv), (*qc, dq))
-        return dq, (dk, dv)
+        (dk, dv), dqt = lax.scan(over_q, (dk, dv), (*qc, dqt))
+        return dqt, (dk, dv)
 
-    return lax.scan(over_k, dq, (*kc, *dkv))
+    return lax.scan(over_k, dqt, (*kc, *dkv))
 
 
 def _ring_loop(cfg: RingConfig, step: Any, travelling: tuple, carry: Any, returning: int = 0) -> Any:
@@ -213,7 +249,8 @@ def _forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any
     def step(t: jax.Array, travelling: tuple, state: tuple) -> tuple:
         kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
         k, v, kseg = travelling
-        return (), _block_fwd(cfg, state, qc, (k, v, kpos, kseg))
+        kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck]: Q Kᵀ as a plain product, transposed once per step
+        return (), _block_fwd(cfg, state, qc, (kt, v, kpos, kseg))
 
     # K, V travel chunked and heads-major ([c/ck, b, kv, ck, d]): laid out once, never transposed per pair.
     _, (o, m, ell) = _ring_loop(cfg, step, (_kv_major(k, ck), _kv_major(v, ck), _chunks(seg, ck)), state)
@@ -236,20 +273,22 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
     rank, qpos, scale = _prepare(cfg, q)
     c, kv, cq, ck = q.shape[1], k.shape[2], cfg.chunk_q, cfg.chunk_k
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1, keepdims=True)  # D = rowsum(dO * O)
-    qc = (_q_major(q * jnp.asarray(scale, q.dtype), kv, cq), _q_major(do, kv, cq), lse, _q_major(delta, kv, cq)[..., 0])
-    qc = (*qc, _chunks(qpos[None], cq)[:, 0], _chunks(seg, cq))
+    qh, doh = _q_major(q * jnp.asarray(scale, q.dtype), kv, cq), _q_major(do, kv, cq)
+    qt, dot = _transposed(qh), _transposed(doh)  # [c/cq, b, kv, d, g, cq]: the right operands of Sᵀ and dPᵀ
+    qc = (qh, qt, doh, dot, lse, _q_major(delta, kv, cq)[..., 0], _chunks(qpos[None], cq)[:, 0], _chunks(seg, cq))
     kh, vh = _kv_major(k, ck), _kv_major(v, ck)
     zeros_kv = lax.full_like(kh, 0, jnp.float32)
 
-    def step(t: jax.Array, travelling: tuple, dq: jax.Array) -> tuple:
+    def step(t: jax.Array, travelling: tuple, dqt: jax.Array) -> tuple:
         kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
         k, v, kseg, dk, dv = travelling
-        dq, (dk, dv) = _block_bwd(cfg, dq, (dk, dv), qc, (k, v, kpos, kseg))
-        return (dk, dv), dq
+        kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck], once per ring step, not per chunk pair
+        dqt, (dk, dv) = _block_bwd(cfg, dqt, (dk, dv), qc, (k, kt, v, kpos, kseg))
+        return (dk, dv), dqt
 
-    dq0 = lax.full_like(q, 0, jnp.float32, qc[0].shape)
-    (dk, dv), dq = _ring_loop(cfg, step, (kh, vh, _chunks(seg, ck), zeros_kv, zeros_kv), dq0, returning=2)
-    dq = (_q_back(dq) * scale).astype(q.dtype)
+    dqt0 = lax.full_like(q, 0, jnp.float32, qt.shape)
+    (dk, dv), dqt = _ring_loop(cfg, step, (kh, vh, _chunks(seg, ck), zeros_kv, zeros_kv), dqt0, returning=2)
+    dq = (_q_back(jnp.moveaxis(dqt, 3, -1)) * scale).astype(q.dtype)
     return dq, _kv_back(dk).astype(k.dtype), _kv_back(dv).astype(v.dtype), None  # dk has the scale via q
 
 
