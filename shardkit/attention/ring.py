@@ -104,16 +104,23 @@ def _mask(qpos: jax.Array, kpos: jax.Array, qseg: Any, kseg: Any, causal: bool) 
 
 
 def _dispatch(cfg: RingConfig, qpos: jax.Array, kpos: jax.Array, fn: Any, carry: Any, *args: Any) -> Any:
-    """fn(carry, *args, causal=...) for one chunk pair, doing only the work the causal mask leaves.
+    """fn(carry, *args, causal=...) for one chunk pair (or one whole block), doing only the work the mask leaves.
 
     Fully masked (every key after every query): skipped, the carry passes through. Fully visible: computed
-    without the causal mask (no per-score compare and select). Otherwise: computed with it.
+    without the causal mask (no per-score compare and select). Otherwise: computed with it. The ring steps
+    dispatch each block first, then its chunk pairs only where the block straddles the diagonal.
     """
     if not cfg.causal:
         return fn(carry, *args, causal=False)
     case = (qpos.max() >= kpos.min()).astype(jnp.int32) + (qpos.min() >= kpos.max()).astype(jnp.int32)
     branches = [lambda c, *_: c, functools.partial(fn, causal=True), functools.partial(fn, causal=False)]
     return lax.switch(case, branches, carry, *args)
+
+
+def _pairwise(cfg: RingConfig, causal: bool) -> RingConfig:
+    """The config the chunk pairs of one block run with: a block `_dispatch` found fully visible needs no per-pair
+    causal test (nor a `lax.switch` per pair); a fully masked block never gets here."""
+    return cfg if causal else dataclasses.replace(cfg, causal=False)
 
 
 def _bmm(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -250,7 +257,8 @@ def _forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any
         kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
         k, v, kseg = travelling
         kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck]: Q Kᵀ as a plain product, transposed once per step
-        return (), _block_fwd(cfg, state, qc, (kt, v, kpos, kseg))
+        block = lambda state, causal: _block_fwd(_pairwise(cfg, causal), state, qc, (kt, v, kpos, kseg))
+        return (), _dispatch(cfg, qpos, kpos, block, state)
 
     # K, V travel chunked and heads-major ([c/ck, b, kv, ck, d]): laid out once, never transposed per pair.
     _, (o, m, ell) = _ring_loop(cfg, step, (_kv_major(k, ck), _kv_major(v, ck), _chunks(seg, ck)), state)
@@ -283,7 +291,12 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
         kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
         k, v, kseg, dk, dv = travelling
         kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck], once per ring step, not per chunk pair
-        dqt, (dk, dv) = _block_bwd(cfg, dqt, (dk, dv), qc, (k, kt, v, kpos, kseg))
+
+        def block(carry: tuple, causal: bool) -> tuple:
+            dqt, (dk, dv) = _block_bwd(_pairwise(cfg, causal), carry[0], carry[1:], qc, (k, kt, v, kpos, kseg))
+            return dqt, dk, dv
+
+        dqt, dk, dv = _dispatch(cfg, qpos, kpos, block, (dqt, dk, dv))
         return (dk, dv), dqt
 
     dqt0 = lax.full_like(q, 0, jnp.float32, qt.shape)
