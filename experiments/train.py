@@ -179,7 +179,7 @@ class _Log:
         self.flops = task.flops_per_unit / (peak * run.mesh.devices.size) if peak else 0.0
         self.lrs = np.asarray(run.schedule(np.arange(config.steps + 1)))
         self.bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True) if bar else None
-        self.file = None
+        self.file, self.t_start, self.first_step_s = None, None, None
         if jax.process_index() == 0:
             path = run.dir / "metrics.jsonl"
             if path.exists():  # a line cut short by a kill fails to parse and is dropped too
@@ -197,6 +197,9 @@ class _Log:
                 f"step {k}: loss {loss}, grad_norm {gnorm} is not finite; stopped without saving. The last good "
                 f"checkpoint is {last_good}: lower optimizer.lr or raise warmup_steps, then rerun to resume from it"
             )
+        if not self.records and self.t_start is not None:  # start-up cost: imports, data, compile (or the cache), init
+            self.first_step_s = now - self.t_start
+            self.say(f"first step done {self.first_step_s:.1f} s after start")
         self.t_last = now
         rec = dict(step=k, loss=loss, **{key: float(v) for key, v in m.items()}, grad_norm=gnorm)
         rec.update({"lr": float(self.lrs[k - 1]), self.unit: self.units, "step_time": dt})
@@ -238,6 +241,16 @@ def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any]) -> d
     return val | {f"val_{k}": float(np.mean([aux[k] for _, aux in outs])) for k in outs[0][1]}
 
 
+def _since_process_start() -> float:
+    """Seconds since this process started (Python's start-up and imports included); 0 where /proc is missing."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """Trains (or resumes) the run `config` describes; returns a summary dict. Raises ShardkitError on bad config."""
     if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env()) and not (
@@ -246,7 +259,8 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
         init_distributed()
     if config.jax_cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
-    t_start, main = time.perf_counter(), jax.process_index() == 0
+    main = jax.process_index() == 0
+    t_start = time.perf_counter() - _since_process_start()
     run = build(config)
     show_bar = main and config.progress and sys.stderr.isatty()
     say: Callable[[str], None] = (tqdm.write if show_bar else print) if main else (lambda _: None)
@@ -325,6 +339,7 @@ def _train(
 
     val = task.val_batches(step)
     log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar), None, None
+    log.t_start = t0
     last_good = lambda: f"step {ckpt.latest_step()} in {ckpt.directory}"
     try:
         with _Stop() as stop:
@@ -355,7 +370,8 @@ def _train(
                     break
     finally:
         log.close()
-    return _summary(config, run, info, log.records, state, start, stopped, mem, t0, say)
+    summary = _summary(config, run, info, log.records, state, start, stopped, mem, t0, say)
+    return summary | {"first_step_s": log.first_step_s}
 
 
 def _summary(config: ml_collections.ConfigDict, run: Run, info: dict, recs: list, state: sk.TrainState, start: int,

@@ -53,6 +53,22 @@ def scan_stack(
 register_stack("scan", scan_stack)
 
 
+def unrolled_stack(
+    block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat: str = "none", context: Any = None
+) -> jax.Array:
+    """The same as `scan_stack` as L inlined layers: no per-layer dynamic slices of the weights, no stacked
+    residuals written and read back by dynamic-update-slice; compile time grows with L."""
+    body = lambda layer, x: block_fn(layer, x, *args)
+    if REMAT_POLICIES[remat] is not None:
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x = body(jax.tree.map(lambda a, i=i: a[i], stacked), x)
+    return x
+
+
+register_stack("unrolled", unrolled_stack)
+
+
 def apply_stack(block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat: str = "none") -> jax.Array:
     """Applies the L stacked layers to x with the kernel the active strategy chose (default: scan)."""
     if remat not in REMAT_POLICIES:
