@@ -211,3 +211,37 @@ def test_ulysses_compiles_to_all_to_alls_only():
     colls = hlo.collectives(jax.jit(fwd).lower(q, k, v).compile(), mesh)
     assert {(x.kind, x.axes) for x in colls} == {("all-to-all", ("seq",))}
     assert sum(x.count for x in colls) == 4  # q, k, v in; out back
+
+
+def test_ring_in_bfloat16_keeps_fp32_softmax_and_accumulators():
+    """bf16 inputs (the GPU path): P and dS enter the products in bf16, the softmax and accumulators stay fp32.
+    Against fp32 dense attention the error is bf16's own: inputs, P and dS rounded at u = 2^-8 relative, in sums
+    that average the rounding, so about u of the scale; asserted 2e-2 (5u), observed 4.7e-3 (dQ)."""
+    q, k, v, _ = qkv(64, 2)
+    mesh = sk.make_mesh("seq=4", jax.devices()[:4])
+    ring = lambda q, k, v: sk.attention.ring_attention(q, k, v, mesh=mesh, layout="zigzag", chunk=4)
+    lay = lambda x: sk.attention.to_layout(x, "zigzag", mesh, "seq")
+    unlay = lambda x: sk.attention.from_layout(x, "zigzag", mesh, "seq")
+
+    def fwd_bwd(attn, dtype, inputs):
+        qq, kk, vv = (x.astype(dtype) for x in inputs)
+        out, vjp = jax.vjp(attn, qq, kk, vv)
+        return [x.astype(jnp.float32) for x in (out, *vjp(jnp.ones_like(out)))]
+
+    got = [unlay(x) for x in jax.jit(lambda *a: fwd_bwd(ring, jnp.bfloat16, a))(lay(q), lay(k), lay(v))]
+    want = jax.jit(lambda *a: fwd_bwd(sk.attention.dense_attention, jnp.float32, a))(q, k, v)
+    assert got[0].dtype == jnp.float32
+    for g, w in zip(got, want, strict=True):
+        assert float(jnp.abs(g - w).max() / jnp.abs(w).max()) < 2e-2
+
+
+def test_cudnn_kernel_refuses_what_cudnn_cannot_run_before_xla():
+    q, k, v, seg = qkv(16, 2)
+    with pytest.raises(sk.ShardkitError, match=r"bfloat16 or float16 inputs, got float32.*dtype=.bfloat16."):
+        sk.attention.cudnn_attention(q, k, v)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    with pytest.raises(sk.ShardkitError, match=r"segment_ids.*attention=dense"):
+        sk.attention.cudnn_attention(q, k, v, segment_ids=seg)
+    with pytest.raises(sk.ShardkitError, match=r"NVIDIA GPUs only.*attention=dense"):
+        sk.attention.cudnn_attention(q, k, v)
+    assert "cudnn" in sk.kernels.available("attention")

@@ -4,6 +4,7 @@ Models call `attend(q, k, v, causal=..., segment_ids=...)`; the strategy's `atte
 step via `shardkit.rules.use_rules`) picks the kernel by name:
 
     "dense"                                   jax.nn.dot_product_attention (the reference)
+    "cudnn"                                   the same with cuDNN's fused flash attention (NVIDIA GPUs, bf16)
     "ring:contiguous" | "ring:zigzag" | "ring:striped"    ring attention over mesh axis "seq" (ring.py)
     "ulysses"                                 DeepSpeed-Ulysses all-to-all over "seq" (ulysses.py)
     "usp:contiguous" | "usp:zigzag" | "usp:striped"       Ulysses over "seq_u" x ring over "seq_r" (usp.py)
@@ -12,7 +13,7 @@ The context-parallel kernels are also plain functions (`ring_attention`, …) us
 ring must be in its layout (`to_layout`, or `layout_batch` for a training batch).
 """
 
-from shardkit.attention.dense import attend, dense_attention, register_attention
+from shardkit.attention.dense import attend, cudnn_attention, dense_attention, register_attention
 from shardkit.attention.layouts import LAYOUTS, from_layout, layout_batch, layout_perm, strategy_layout, to_layout
 from shardkit.attention.ring import ring_attention
 from shardkit.attention.ulysses import ulysses_attention
@@ -21,6 +22,7 @@ from shardkit.attention.usp import usp_attention
 __all__ = [
     "LAYOUTS",
     "attend",
+    "cudnn_attention",
     "dense_attention",
     "from_layout",
     "layout_batch",

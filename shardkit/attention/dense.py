@@ -56,6 +56,42 @@ register_attention(
     lambda q, k, v, *, causal, segment_ids, context: dense_attention(q, k, v, causal=causal, segment_ids=segment_ids),
 )
 
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def cudnn_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None
+) -> jax.Array:
+    """[b, s, heads, d] x 2 x [b, s, kv_heads, d] -> [b, s, heads, d] by cuDNN's fused flash attention (NVIDIA GPUs).
+
+    `jax.nn.dot_product_attention(implementation="cudnn")`: no [s, s] scores in memory, the causal upper half
+    never computed, GQA native. Checked here first, since cuDNN's own refusal is an opaque lowering error: a
+    GPU backend, bf16 / fp16 inputs, and no packed documents (cuDNN's fused kernel takes sequence lengths,
+    not a [s, s] segment mask; use attention=dense for `segment_ids`).
+    """
+    if q.dtype.name not in CUDNN_DTYPES:
+        raise ShardkitError(
+            f"attention=cudnn takes {' or '.join(CUDNN_DTYPES)} inputs, got {q.dtype.name}: set the model's "
+            "dtype='bfloat16' (mixed precision), or use attention=dense for fp32"
+        )
+    if segment_ids is not None:
+        raise ShardkitError(
+            "attention=cudnn does not take segment_ids (packed documents): cuDNN's fused kernel has no segment "
+            "mask here; use attention=dense, or train on unpacked sequences"
+        )
+    if jax.default_backend() != "gpu":
+        raise ShardkitError(
+            f"attention=cudnn runs on NVIDIA GPUs only; this backend is {jax.default_backend()!r}: use "
+            "attention=dense (or a ring kernel) here"
+        )
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(q.dtype)
+
+
+register_attention(
+    "cudnn",
+    lambda q, k, v, *, causal, segment_ids, context: cudnn_attention(q, k, v, causal=causal, segment_ids=segment_ids),
+)
+
 
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, segment_ids: jax.Array | None = None

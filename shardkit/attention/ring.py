@@ -189,9 +189,11 @@ def _block_bwd(cfg: RingConfig, dqt: jax.Array, dkv: tuple, qc: tuple, kc: tuple
         mask = _mask_t(qpos, kpos, qseg, kseg, causal)
         pt = jnp.exp((st if mask is None else jnp.where(mask, st, -jnp.inf)) - lse[:, :, None])
         pt_flat = pt.reshape(b * kv, -1, g * cq)
-        dv = dv + _bmm(pt_flat, rows(do)).reshape(dv.shape)
+        # P and dS enter the products in the inputs' dtype (bf16 under mixed precision, as in FlashAttention):
+        # fp32 only inside the softmax, the accumulators fp32 through preferred_element_type
+        dv = dv + _bmm(pt_flat.astype(do.dtype), rows(do)).reshape(dv.shape)
         dpt = _bmm(flat(v), cols(dot)).reshape(pt.shape)
-        dst = (pt * (dpt - delta[:, :, None])).reshape(pt_flat.shape)
+        dst = (pt * (dpt - delta[:, :, None])).reshape(pt_flat.shape).astype(q.dtype)
         dk = dk + _bmm(dst, rows(q)).reshape(dk.shape)
         dqt_i = dqt_i + _bmm(flat(kt), dst).reshape(dqt_i.shape)
         return dk, dv, dqt_i
