@@ -59,7 +59,7 @@ VOCAB = 384  # the byte-level corpus's 256 symbols + specials, padded to 128
 def model_configs() -> dict[str, tuple[GPTConfig, int, int]]:
     """name -> (fp32 GPTConfig, batch, seq): the configs' shapes at batches that take seconds per step on a CPU."""
     out = {}
-    for name, mod, batch, seq in (("gpt_tiny", gpt_tiny, 32, 128), ("gpt_small", gpt_small, 4, 256)):
+    for name, mod, batch, seq in (("gpt_tiny", gpt_tiny, 32, 128), ("gpt_small", gpt_small, 8, 256)):
         fields = {**mod.get_config().model.to_dict(), "dtype": "float32", "vocab_size": VOCAB, "max_seq_len": seq}
         out[name] = (GPTConfig(**fields), batch, seq)
     mid = dataclasses.replace(out["gpt_tiny"][0], num_layers=6, d_model=384, num_heads=6, num_kv_heads=6,

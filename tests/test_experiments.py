@@ -265,3 +265,23 @@ def test_sample_returns_text(full: dict[str, Any]) -> None:
     assert hot[0] == hot[1] != hot[2]
     model, _, step = sample.load(full["run_dir"])
     assert step == 16 and len(model.embed[...].sharding.device_set) == 1  # restored onto one device
+
+
+def test_the_prepared_gpu_check_runs_its_smoke_shapes_here(tmp_path):
+    """experiments/bench_gpu.py is what a lent GPU runs, once: its --smoke mode runs every path on this CPU.
+    cuDNN is refused with shardkit's error (recorded, not a crash); the bf16 GPT trains with dense attention;
+    the ring kernel on one device equals dense attention in bf16 (within bf16's 2^-8 per rounding, a few of them
+    on outputs of size ~1: asserted 0.05, observed 0.016)."""
+    from experiments import bench_gpu
+
+    out = tmp_path / "gpu.json"
+    bench_gpu.main(["--smoke", "--models", "gpt_350m", "--out", str(out)])
+    result = json.loads(out.read_text())
+    train = result["train"]["gpt_350m"]
+    assert "NVIDIA GPUs only" in train["cudnn"]["error"] or result["backend"] == "gpu"
+    assert train["dense"]["step_s"] > 0 and train["dense"]["mfu"] > 0
+    assert train["config"]["dtype"] == "bfloat16"
+    attn = result["attention"]["256"]
+    assert ("error" in attn["cudnn"]) == (result["backend"] != "gpu") and "s" in attn["dense"]
+    for name in ("ring@64", "ring@128"):
+        assert attn[name]["max_diff_vs_first"] < 0.05, (name, attn[name])
