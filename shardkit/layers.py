@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
@@ -61,8 +62,11 @@ def unrolled_stack(
     body = lambda layer, x: block_fn(layer, x, *args)
     if REMAT_POLICIES[remat] is not None:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
-    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x = body(jax.tree.map(lambda a, i=i: a[i], stacked), x)
+    # one split per weight (its transpose is one concatenation), not L slices (whose transposes are L pads + adds)
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    pieces = jax.tree.map(lambda a: [p[0] for p in jnp.split(a, n)], stacked)
+    for i in range(n):
+        x = body(jax.tree.map(lambda a, i=i: a[i], pieces, is_leaf=lambda a: isinstance(a, list)), x)
     return x
 
 
