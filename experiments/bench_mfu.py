@@ -9,8 +9,9 @@ the `scan` kernel (the default: one compiled layer) and, on one device, by `unro
 
 1. MFU: model FLOPs per step (`GPTConfig.flops_per_token`, 6N + 12·L·d·s, PaLM's convention) / step time / (the
    calibrated fp32 matmul peak of every device of the mesh, `experiments.runtime.calibrate_peak_flops`, measured
-   with all of them multiplying at once, as in training). The 8 virtual devices share the host's cores, so their
-   peaks add up to about one host; MFU on 8 is the same host doing the same work split 8 ways.
+   with all of them multiplying at once, as in training; once per device count, best of 3). The 8 virtual
+   devices share the host's cores, so their peaks add up to about one host; MFU on 8 is the same host doing
+   the same work split 8 ways.
 2. Breakdown: a `jax.profiler` trace of `--steps` steps, read back with `jax.profiler.ProfileData`. Every XLA
    operation that ran is an event named after its HLO instruction; each is put in one class by its instruction
    in the compiled module: `matmul` (dot / convolution fusions: what the peak is about), `collective`
@@ -36,6 +37,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -134,6 +136,13 @@ def profile(compiled: Any, state: Any, batch: Any, steps: int) -> tuple[Any, dic
     return state, dict(busy), top[:8], seen
 
 
+@functools.cache
+def peak_of(devices: int) -> float:
+    """The per-device matmul peak with `devices` devices multiplying at once: calibrated once per count (and
+    the best of 3 calibrations, each a best of 20), so that every run with that count divides by the same."""
+    return max(calibrate_peak_flops(jax.devices()[:devices], reps=20) for _ in range(3))
+
+
 def run(cfg: GPTConfig, batch_size: int, seq: int, spec: str, name: str, layers: str, steps: int) -> dict[str, Any]:
     mesh = sk.make_mesh(spec, jax.devices()[: int(np.prod([int(a.split("=")[1]) for a in spec.split(",")]))])
     strategy = sk.strategies.strategy(name).replace(layers=layers)
@@ -145,7 +154,7 @@ def run(cfg: GPTConfig, batch_size: int, seq: int, spec: str, name: str, layers:
     batch = {"inputs": jnp.asarray(toks[:, :-1], jnp.int32), "targets": jnp.asarray(toks[:, 1:], jnp.int32)}
     batch = jax.device_put(batch, step.batch_sharding)
     compiled = step.lower(state, batch).compile()
-    peak = calibrate_peak_flops(list(mesh.devices.flat))  # per device, all of them at once
+    peak = peak_of(mesh.size)
     state, metrics = compiled(state, batch)
     jax.block_until_ready((state, metrics))
     times = []
