@@ -36,7 +36,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import shardkit as sk
+from experiments.runtime import save_json
 from shardkit.attention.layouts import layout_perm
 from shardkit.attention.ring import chunk_size
 
@@ -265,10 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     result["balance"] = load_balance(result["balance_seq"])
     result["jax"] = jax.__version__
     print(table(result))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import re
 import subprocess
@@ -36,6 +35,7 @@ import optax
 
 import shardkit as sk
 from experiments.bench_mfu import VOCAB, model_configs
+from experiments.runtime import save_json
 from models.gpt import GPT
 
 
@@ -94,10 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         for label in ("cold", "warm"):
             result["startup"][label] = startup(cache, pathlib.Path(tmp) / f"runs_{label}")
             print(f"default run, {label} cache: {result['startup'][label]}", flush=True)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

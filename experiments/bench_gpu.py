@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ import optax
 
 import shardkit as sk
 from experiments.configs import gpt_1b, gpt_350m
+from experiments.runtime import save_json
 from models.gpt import GPT, GPTConfig
 
 CONFIGS = {"gpt_350m": gpt_350m, "gpt_1b": gpt_1b}
@@ -148,10 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         small = (2, 32, (64, 128)) if args.smoke else (heads, dim, chunks)
         result["attention"][s] = attention_kernels(s, *small, reps=2 if args.smoke else 10)
         print("attention", s, json.dumps(result["attention"][s]), flush=True)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import json
 import pathlib
 import re
 import statistics
@@ -53,7 +52,7 @@ import optax
 
 import shardkit as sk
 from experiments.configs import gpt_small, gpt_tiny
-from experiments.runtime import calibrate_peak_flops
+from experiments.runtime import calibrate_peak_flops, save_json
 from models.gpt import GPT, GPTConfig
 
 VOCAB = 384  # the byte-level corpus's 256 symbols + specials, padded to 128
@@ -227,10 +226,7 @@ def main(argv: list[str] | None = None) -> None:
             "params": cfg.num_params(include_embedding=True), "runs": runs,
         }  # fmt: skip
     print(table(result))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

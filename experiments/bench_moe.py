@@ -93,8 +93,10 @@ def main() -> None:
     runs[3]["strategy"] = "dp (dense GPT)"
     ep, gs, rep, dense = runs
     total = lambda r: sum(r["bytes_by_kind"].values())
-    print(f"\nGPT-MoE {MOE.num_layers} x {MOE.d_model}, {MOE.num_experts} experts x mlp {MOE.mlp_dim}, "
-          f"top-{MOE.top_k}, cf {MOE.capacity_factor}; {args.steps} steps, batch {BATCH} x {SEQ}; 8 CPU devices")
+    print(
+        f"\nGPT-MoE {MOE.num_layers} x {MOE.d_model}, {MOE.num_experts} experts x mlp {MOE.mlp_dim}, "
+        f"top-{MOE.top_k}, cf {MOE.capacity_factor}; {args.steps} steps, batch {BATCH} x {SEQ}; 8 CPU devices"
+    )
     print(f"{'run':<16} {'mesh':<16} {'state/dev KiB':>13} {'temp MiB':>9} {'sent KiB/step':>14} {'step ms':>8} "
           f"{'val loss':>9}  bytes by kind")  # fmt: skip
     for r in runs:
@@ -108,8 +110,10 @@ def main() -> None:
     print("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     drops = {f: dropped(MOE, f, it) for f in (0.5, 1.0, 1.25, 2.0)}
     print("dropped at init vs capacity factor: " + ", ".join(f"cf {f}: {d:.1%}" for f, d in drops.items()))
-    print(f"after training (cf {MOE.capacity_factor}, ep): dropped {ep['final']['moe_dropped']:.1%}, "
-          f"aux {ep['final']['moe_aux']:.3f} (1 = balanced), z {ep['final']['moe_z']:.3f}")
+    print(
+        f"after training (cf {MOE.capacity_factor}, ep): dropped {ep['final']['moe_dropped']:.1%}, "
+        f"aux {ep['final']['moe_aux']:.3f} (1 = balanced), z {ep['final']['moe_z']:.3f}"
+    )
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(runs=runs, ratios=ratios, dropped_at_init=drops, moe=dataclasses.asdict(MOE),
