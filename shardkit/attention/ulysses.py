@@ -19,18 +19,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
 from shardkit.attention.dense import register_attention
 from shardkit.attention.ring import (
     CHECK_VMA,
     DEFAULT_CHUNK,
     RingConfig,
-    check_axis,
-    check_qkv,
     chunk_size,
-    context_axes,
-    match_kv_heads,
     ring_local,
-    spec_entry,
 )
 from shardkit.errors import ShardkitError
 from shardkit.rules import ShardingContext

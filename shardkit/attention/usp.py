@@ -19,18 +19,14 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, check_layout
 from shardkit.attention.ring import (
     CHECK_VMA,
     DEFAULT_CHUNK,
     RingConfig,
-    check_axis,
-    check_qkv,
     chunk_size,
-    context_axes,
-    match_kv_heads,
-    spec_entry,
 )
 from shardkit.attention.ulysses import all_to_all_attention, check_heads
 from shardkit.errors import ShardkitError
