@@ -172,14 +172,15 @@ class _Log:
     """Per-step records to metrics.jsonl (process 0; lines past `start` left by a killed run are dropped), progress
     bar or lines, and the NaN check. Throughput is counted on the host: the task's units (tokens, examples) per step."""
 
-    def __init__(self, config: ml_collections.ConfigDict, run: Run, start: int, peak: float, say: Callable, bar: bool):
+    def __init__(self, config: ml_collections.ConfigDict, run: Run, start: int, peak: float, say: Callable, bar: bool,
+                 t_start: float) -> None:  # fmt: skip
         self.config, self.say, self.records, self.t_last = config, say, [], time.perf_counter()
         task = run.task
         self.unit, self.short, self.units = task.unit, task.short, task.units_per_step
         self.flops = task.flops_per_unit / (peak * run.mesh.devices.size) if peak else 0.0
         self.lrs = np.asarray(run.schedule(np.arange(config.steps + 1)))
         self.bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True) if bar else None
-        self.file, self.t_start, self.first_step_s = None, None, None
+        self.file, self.t_start, self.first_step_s = None, t_start, None
         if jax.process_index() == 0:
             path = run.dir / "metrics.jsonl"
             if path.exists():  # a line cut short by a kill fails to parse and is dropped too
@@ -197,7 +198,7 @@ class _Log:
                 f"step {k}: loss {loss}, grad_norm {gnorm} is not finite; stopped without saving. The last good "
                 f"checkpoint is {last_good}: lower optimizer.lr or raise warmup_steps, then rerun to resume from it"
             )
-        if not self.records and self.t_start is not None:  # start-up cost: imports, data, compile (or the cache), init
+        if not self.records:  # start-up cost: imports, data, compile (or the cache), init
             self.first_step_s = now - self.t_start
             self.say(f"first step done {self.first_step_s:.1f} s after start")
         self.t_last = now
@@ -338,8 +339,7 @@ def _train(
         os.replace(run.dir / "config.json.tmp", run.dir / "config.json")
 
     val = task.val_batches(step)
-    log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar), None, None
-    log.t_start = t0
+    log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar, t0), None, None
     last_good = lambda: f"step {ckpt.latest_step()} in {ckpt.directory}"
     try:
         with _Stop() as stop:

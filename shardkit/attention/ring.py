@@ -94,13 +94,16 @@ def _kv_back(x: jax.Array) -> jax.Array:
     return _unchunk(jnp.moveaxis(x, 3, 2))
 
 
-def _mask(qpos: jax.Array, kpos: jax.Array, qseg: Any, kseg: Any, causal: bool) -> jax.Array | None:
-    """bool[b or 1, 1, 1, cq, ck]: which scores of one chunk pair are kept (None: all)."""
+def _mask(qpos: jax.Array, kpos: jax.Array, qseg: Any, kseg: Any, causal: bool, keys_first: bool = False) -> Any:
+    """bool[b or 1, 1, 1, cq, ck] (keys_first: [b or 1, 1, ck, 1, cq], for the backward's key-major scores):
+    which scores of one chunk pair are kept (None: all)."""
     mask = (qpos[:, None] >= kpos[None, :])[None] if causal else None
     if qseg is not None:
         seg = qseg[:, :, None] == kseg[:, None, :]
         mask = seg if mask is None else mask & seg
-    return None if mask is None else mask[:, None, None]
+    if mask is None:
+        return None
+    return jnp.swapaxes(mask, 1, 2)[:, None, :, None] if keys_first else mask[:, None, None]
 
 
 def _dispatch(cfg: RingConfig, qpos: jax.Array, kpos: jax.Array, fn: Any, carry: Any, *args: Any) -> Any:
@@ -161,15 +164,6 @@ def _block_fwd(cfg: RingConfig, state: tuple, qc: tuple, kc: tuple) -> tuple:
     return lax.scan(over_q, None, (*qc, *state))[1]
 
 
-def _mask_t(qpos: jax.Array, kpos: jax.Array, qseg: Any, kseg: Any, causal: bool) -> jax.Array | None:
-    """bool[b or 1, 1, ck, 1, cq]: `_mask` transposed, for the key-major scores of the backward."""
-    mask = (kpos[:, None] <= qpos[None, :])[None] if causal else None
-    if qseg is not None:
-        seg = kseg[:, :, None] == qseg[:, None, :]
-        mask = seg if mask is None else mask & seg
-    return None if mask is None else mask[:, None, :, None]
-
-
 def _block_bwd(cfg: RingConfig, dqt: jax.Array, dkv: tuple, qc: tuple, kc: tuple) -> tuple:
     """Gradient contributions of one query block x one key block; dQᵀ stacked over query chunks, dK, dV over keys.
 
@@ -186,7 +180,7 @@ def _block_bwd(cfg: RingConfig, dqt: jax.Array, dkv: tuple, qc: tuple, kc: tuple
         cols = lambda x: x.reshape(b * kv, d, g * cq)  # [b, kv, d, g, cq] -> [b kv, d, g cq]
         flat = lambda x: x.reshape(b * kv, *x.shape[2:])  # [b, kv, m, n] -> [b kv, m, n]
         st = _bmm(flat(k), cols(qt)).reshape(b, kv, -1, g, cq)
-        mask = _mask_t(qpos, kpos, qseg, kseg, causal)
+        mask = _mask(qpos, kpos, qseg, kseg, causal, keys_first=True)
         pt = jnp.exp((st if mask is None else jnp.where(mask, st, -jnp.inf)) - lse[:, :, None])
         pt_flat = pt.reshape(b * kv, -1, g * cq)
         # P and dS enter the products in the inputs' dtype (bf16 under mixed precision, as in FlashAttention):
@@ -258,8 +252,11 @@ def _forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any
     def step(t: jax.Array, travelling: tuple, state: tuple) -> tuple:
         kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
         k, v, kseg = travelling
-        kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck]: Q Kᵀ as a plain product, transposed once per step
-        block = lambda state, causal: _block_fwd(_pairwise(cfg, causal), state, qc, (kt, v, kpos, kseg))
+
+        def block(state: tuple, causal: bool) -> tuple:
+            kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck]: Q Kᵀ a plain product; once per computed block
+            return _block_fwd(_pairwise(cfg, causal), state, qc, (kt, v, kpos, kseg))
+
         return (), _dispatch(cfg, qpos, kpos, block, state)
 
     # K, V travel chunked and heads-major ([c/ck, b, kv, ck, d]): laid out once, never transposed per pair.
@@ -292,9 +289,9 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
     def step(t: jax.Array, travelling: tuple, dqt: jax.Array) -> tuple:
         kpos = _chunks(block_positions(cfg.layout, cfg.n, (rank - t) % cfg.n, c)[None], ck)[:, 0]
         k, v, kseg, dk, dv = travelling
-        kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck], once per ring step, not per chunk pair
 
         def block(carry: tuple, causal: bool) -> tuple:
+            kt = jnp.swapaxes(k, -1, -2)  # [c/ck, b, kv, d, ck], once per computed block, not per chunk pair
             dqt, (dk, dv) = _block_bwd(_pairwise(cfg, causal), carry[0], carry[1:], qc, (k, kt, v, kpos, kseg))
             return dqt, dk, dv
 
