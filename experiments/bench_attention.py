@@ -22,9 +22,9 @@ Ulysses on mesh seq=8, USP on seq_u=2 x seq_r=4 (zigzag). One process; all figur
    and the critical path (the busiest device's FLOPs) of each layout relative to zigzag's.
 4. peer: `ringattention` 0.1.2 (PyPI, pure-JAX `ringattention_jax.ring_attention`, its own custom VJP,
    contiguous layout, causal_block_size=1) on the same inputs, at query/key chunks of 128 and 256 (its
-   fastest here: 128; 512 and 1024 are slower), against ring:contiguous at the same two chunk sizes: time,
-   `speedup` = peer / ours at the same chunk and best against best, and the max relative difference of output
-   and gradients. Its top-level import fails on current JAX, so the module file is loaded directly.
+   fastest here, one or the other by S; 512 and 1024 are slower), against ring:contiguous at the same two
+   chunk sizes: time, `speedup` = peer / ours at the same chunk and best against best, and the max relative
+   difference of output and gradients. Its top-level import fails on current JAX, so the module file is loaded directly.
 """
 
 from __future__ import annotations
