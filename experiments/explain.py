@@ -61,10 +61,12 @@ def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
     lm = config.get("task", "lm") == "lm"
     if lm and config.data.path and not config.model.vocab_size:
         raise sk.ShardkitError("explain reads no data: with data.path set, give --config.model.vocab_size")
-    strategy = runtime.with_kernels(sk.strategy(config.strategy), config.get("kernels", ""))
     n_here = jax.device_count()
     target = target_axes(config, n_here)
     built, how = fit_mesh(target, n_here)
+    strategy = sk.configure(config.strategy, config.to_dict(), devices=math.prod(built.values()),
+                            global_batch=config.batch_size, preset=runtime.mesh_preset(config))  # fmt: skip
+    strategy = runtime.with_kernels(strategy, config.get("kernels", ""))
     mesh = sk.make_mesh(built, jax.devices()[: math.prod(built.values())])
     strategy.bind(mesh)
     tx, _ = tr.make_optimizer(config.optimizer, max(config.steps, config.optimizer.warmup_steps + 1))

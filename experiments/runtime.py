@@ -49,37 +49,10 @@ def target_axes(config: Any, num_devices: int) -> dict[str, int]:
     return resolve_axes(axes, num_devices) if -1 in axes.values() else {a: int(n) for a, n in axes.items()}
 
 
-def hetero_strategy(config: Any, num_devices: int) -> sk.Strategy:
-    """`hetero_dp` with micro-batch counts balanced over the devices' speeds (shardkit/parallel/hetero.py).
-
-    Speeds and memory come from `--config.hetero.speeds` ("2,2,1,1,...") or else from the mesh preset's
-    [[groups]] (`--config.mesh=hetero_v100_p100`); caps from `hetero.microbatch_bytes` (0: uncapped) against each
-    device's memory. `hetero.balance=False` gives the even split (for comparison)."""
-    h = config.hetero
-    if config.batch_size % h.microbatch:
-        raise sk.ShardkitError(
-            f"batch_size={config.batch_size} is not a whole number of hetero.microbatch={h.microbatch} examples"
-        )
+def mesh_preset(config: Any) -> sk.HardwarePreset | None:
+    """The hardware preset `--config.mesh` names (e.g. hetero_v100_p100: its device groups), or None."""
     spec = config.mesh.strip()
-    preset = sk.load_preset(spec) if spec.replace("-", "_").isidentifier() and spec != "auto" else None
-    if h.speeds:
-        speeds = [float(v) for v in str(h.speeds).split(",")]
-    elif preset is not None and preset.groups:
-        speeds = preset.device_speeds()
-    else:
-        raise sk.ShardkitError(
-            "strategy=hetero_dp needs device speeds: a heterogeneous mesh preset (--config.mesh=hetero_v100_p100, "
-            "hetero_a100_h100) or --config.hetero.speeds=2,2,1,1,..."
-        )
-    if len(speeds) != num_devices:
-        raise sk.ShardkitError(f"{len(speeds)} device speeds {speeds} for {num_devices} devices: give one per device")
-    total = config.batch_size // h.microbatch
-    memory = preset.device_memory() if preset is not None else None
-    caps = [int(m // h.microbatch_bytes) for m in memory] if memory and h.microbatch_bytes else None
-    balanced = sk.hetero.split_batch(total, speeds, caps)
-    even = sk.hetero.even_split(total, num_devices)
-    counts = balanced if h.balance else even
-    return sk.hetero.strategy(counts, h.microbatch, mode=h.mode, speeds=speeds)
+    return sk.load_preset(spec) if spec.replace("-", "_").isidentifier() and spec != "auto" else None
 
 
 def calibrate_peak_flops(devices: Sequence[jax.Device], n: int = 512, reps: int = 20) -> float:

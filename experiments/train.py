@@ -103,18 +103,12 @@ def build(config: ml_collections.ConfigDict) -> Run:
     for key in ("eval_every", "ckpt_every", "seed"):  # 0: only at the end (intervals)
         if key in config and config[key] < 0:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 0")
-    strategy = sk.strategy(config.strategy)
-    if strategy.sdp is not None:  # --config.sdp.coverage=0.25 ... (experiments/configs/base.py)
-        strategy = sk.sdp.strategy(**config.sdp.to_dict())
-    if strategy.layers.startswith("pipeline") and config.get("pipeline"):  # schedule / microbatches flags
-        pp = config.pipeline
-        v = f":{pp.virtual_stages}" if pp.virtual_stages else ""
-        strategy = strategy.replace(layers=f"pipeline:{pp.schedule}:{pp.microbatches}{v}")
-    strategy = runtime.with_kernels(strategy, config.get("kernels", ""))
     preset = resolve_preset(config.hardware)
+    # the config sections named after the strategy's step (`sdp`, `hetero`) and kernels (`pipeline`) configure them
+    strategy = sk.configure(config.strategy, config.to_dict(), devices=jax.device_count(),
+                            global_batch=config.batch_size, preset=runtime.mesh_preset(config))  # fmt: skip
+    strategy = runtime.with_kernels(strategy, config.get("kernels", ""))
     mesh = sk.make_mesh(runtime.target_axes(config, jax.device_count()))  # "auto": one the strategy fits
-    if strategy.hetero is not None:  # counts from the devices' speeds (a heterogeneous mesh preset)
-        strategy = runtime.hetero_strategy(config, mesh.devices.size)
     strategy.bind(mesh)
     task = build_task(config)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
@@ -282,7 +276,7 @@ def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], No
         where += " (auto: --config.mesh=... to choose)"
     say(f"shardkit: {run.dir} | {where} | {n_dev} x {jax.devices()[0].device_kind}, {jax.process_count()} process(es)")
     say(f"  strategy {step.strategy.name}: {step.strategy.description}")
-    if getattr(step, "describe", None):  # sdp: the ownership, what each device stores and sends
+    if getattr(step, "describe", None):  # a step's own header lines (sdp: the ownership, what a device sends)
         step.describe(say)
     info = run.task.describe(say)
     preset = run.preset

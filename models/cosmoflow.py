@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,20 +84,21 @@ class CosmoFlowConfig:
         return n
 
     def cost_model(
-        self, strategy: str, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+        self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
     ) -> tuple[list, dict[str, float], str] | None:
         """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) from models/cosmoflow_cost.py; None
         for a strategy it does not model."""
         from models import cosmoflow_cost
 
-        if strategy not in cosmoflow_cost.MODELLED:
+        family = cosmoflow_cost.formula(strategy)  # from the strategy's tables, not its name
+        if family is None:
             return None
         batch = next(iter(batch_shapes.values()))[0]
         comms = cosmoflow_cost.comms(self, strategy, mesh, batch, self.size, nbytes)
         memory = cosmoflow_cost.memory(self, strategy, mesh, batch, self.size, nbytes)
-        return comms, memory, f"models/cosmoflow_cost.py ({strategy}: explicit halo exchange + gradient all-reduces)"
+        return comms, memory, f"models/cosmoflow_cost.py ({family}: explicit halo exchange + gradient all-reduces)"
 
-    def indivisible(self, strategy: str, mesh: dict[str, int], global_batch: int) -> str:
+    def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why the volume or batch does not split over `mesh` ("" if they do)."""
         from models import cosmoflow_cost
 

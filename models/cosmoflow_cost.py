@@ -29,7 +29,24 @@ from shardkit.costmodel import Comm
 from shardkit.parallel import spatial
 
 SPATIAL_AXES = ("space", "space_h", "space_w")  # depth, height, width, as the spatial strategies' rules
-MODELLED = ("dp", "spatial", "spatial_dp", "spatial_halo", "spatial_dp_halo")
+MODELLED = ("dp", "spatial", "spatial_dp", "spatial_halo", "spatial_dp_halo")  # the built-ins formula() matches
+
+
+def formula(strategy: Any) -> str | None:
+    """ "dp" or "spatial" when `strategy` (a Strategy or registered name) is what these formulas model, read from
+    its tables and kernels (never its name): the batch over data at most, depth / height / width over the spatial
+    axes, weights replicated; None otherwise."""
+    from shardkit.strategies import strategy as named
+
+    t = named(strategy).traits()
+    spatial = t.axes("depth", "height", "width")
+    other = {n: a for n, a in t.compute.items() if n not in ("batch", "depth", "height", "width")}
+    if t.step != "gspmd" or t.scoped or other or t.params or t.optimizer_only or set(t.batch) - {"data"}:
+        return None
+    dims = zip(("depth", "height", "width"), SPATIAL_AXES, strict=True)
+    if any(t.axes(n) not in ((), (a,)) for n, a in dims):
+        return None
+    return "spatial" if spatial else "dp"
 
 
 def _blocks(cfg: Any, size: int) -> list[tuple[int, int, int, bool]]:
@@ -43,7 +60,7 @@ def _blocks(cfg: Any, size: int) -> list[tuple[int, int, int, bool]]:
 
 def _degrees(strategy: str, mesh: dict[str, int]) -> tuple[tuple[str | None, ...], int, int]:
     """(spatial axis per dimension, spatial degree, batch degree) of a plan."""
-    axes = tuple(a if strategy != "dp" and mesh.get(a, 1) > 1 else None for a in SPATIAL_AXES)
+    axes = tuple(a if formula(strategy) == "spatial" and mesh.get(a, 1) > 1 else None for a in SPATIAL_AXES)
     return axes, math.prod(mesh[a] for a in axes if a), mesh.get("data", 1)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,34 +90,37 @@ class GPTConfig:
         return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
 
     def cost_model(
-        self, strategy: str, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+        self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
     ) -> tuple[list, dict[str, float], str] | None:
         """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) of one train step from the GPT
         formulas (models/gpt_cost.py, activations included); None for a strategy they do not cover (explain then
         falls back to the parameter traffic implied by the rules tables)."""
         from models import gpt_cost
 
+        name = getattr(strategy, "name", strategy)
         if self.num_experts:  # MoE: expert parallelism's all-to-alls only (the dense formulas do not apply)
-            if strategy not in ("ep", "ep_gspmd", "ep_tp", "ep_fsdp"):
+            t = sk.strategy(strategy).traits()
+            if t.step != "gspmd" or t.kernels.get("moe") not in ("all_to_all", "einsum") or not t.axes("experts"):
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
             comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
             memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes)
-            return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({strategy}: all-to-alls only)"
-        if strategy not in gpt_cost.MODELLED:
+            return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({name}: all-to-alls only)"
+        family = gpt_cost.formula(strategy)  # from the strategy's tables, not its name
+        if family is None:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
-        comms = gpt_cost.strategy_comms(strategy, self, mesh, batch, seq, nbytes, backend, gspmd=strategy == "tp3d")
-        memory = gpt_cost.memory(strategy, self, mesh, batch, seq, nbytes)
-        return comms, memory, f"shardkit.costmodel ({strategy}, backend {backend})"
+        comms = gpt_cost.strategy_comms(family, self, mesh, batch, seq, nbytes, backend, gspmd=family == "tp3d")
+        memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes)
+        return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend})"
 
-    def indivisible(self, strategy: str, mesh: dict[str, int], global_batch: int) -> str:
+    def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
         from models import gpt_cost
 
         if self.num_experts:
             return gpt_cost.moe_divisibility(self, mesh, global_batch)
-        return gpt_cost.divisibility(strategy, self, mesh, global_batch)
+        return gpt_cost.divisibility(gpt_cost.formula(strategy) or "", self, mesh, global_batch)
 
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:

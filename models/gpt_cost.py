@@ -72,8 +72,44 @@ _STATE_DEGREE: dict[str, Callable[[int, int, int, int], int]] = {
     "dp_fsdp_tp": lambda d, f, t, g3: f * t,
     "tp3d": lambda d, f, t, g3: g3,
 }
-MODELLED = tuple(_STATE_DEGREE)  #: the strategies the GPT formulas below cover
+MODELLED = tuple(_STATE_DEGREE)  #: the formulas below (named after the built-in strategies they describe)
 _MODELLED = ", ".join(MODELLED)
+_TENSOR_NAMES = ("heads", "kv_heads", "mlp", "vocab")  # Megatron's split names in the GPT
+_PLAIN_KERNELS = {"attention": ("dense", "cudnn"), "layers": ("scan", "unrolled")}
+
+
+def formula(strategy: Any) -> str | None:
+    """Which formula describes `strategy` (a Strategy or a registered name), read from its tables and kernels
+    (`Strategy.traits()`), never from its name; None when none does (context or pipeline parallelism, a step of
+    its own, scoped rules, kernels the formulas do not model)."""
+    from shardkit.strategies import strategy as named
+
+    t = named(strategy).traits()
+    if t.step != "gspmd" or t.scoped or t.sequence or t.stage or t.axes("experts", "depth", "height", "width"):
+        return None
+    if any(t.kernels.get(slot, ok[0]) not in ok for slot, ok in _PLAIN_KERNELS.items()):
+        return None
+    if set(t.compute) - {"batch", "res_seq", "embed", *_TENSOR_NAMES}:
+        return None  # splits names the GPT does not have (a CNN's channels): not what the formulas describe
+    tensor, batch = t.axes(*_TENSOR_NAMES), set(t.batch)
+    if t.axes("embed"):  # AxoNN: embed over col, heads / mlp / vocab over row, weights over depth too
+        ok = t.axes("embed") == ("col",) and tensor == ("row",) and t.gathered == ("depth",)
+        return "tp3d" if ok and batch <= {"data", "depth"} and "depth" in batch else None
+    if tensor not in ((), ("tensor",)) or t.gathered not in ((), ("fsdp",)):
+        return None
+    fsdp = bool(t.gathered)
+    want = ("tensor",) if tensor else ()
+    if any(t.params.get(n, ()) != want for n in _TENSOR_NAMES) or t.params.get("embed", ()) != (
+        ("fsdp",) if fsdp else ()
+    ):
+        return None  # the formulas assume Megatron's weights split as the activations, ZeRO-3's on embed
+    if batch != ({"data", "fsdp"} if fsdp else {"data"}):
+        return None
+    if t.optimizer_only:
+        return "zero1" if t.optimizer_only == ("data",) and not (fsdp or tensor) else None
+    if t.residual_sequence:
+        return "tp_sp" if t.residual_sequence == ("tensor",) and tensor and not fsdp else None
+    return ("fsdp_tp" if tensor else "fsdp") if fsdp else ("tp" if tensor else "dp")
 
 
 def strategy_comms(
@@ -285,5 +321,6 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
     b.add("all-reduce", "depth,col", (mats + 3) * nb, 2, "grad_norm: all leaves' sums of squares over (depth, col)")
 
 
-__all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "gpt_extra_comms", "memory", "moe_comms",
+__all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "formula", "gpt_extra_comms", "memory",
+           "moe_comms",
            "moe_divisibility", "moe_memory", "num_params", "strategy_comms"]  # fmt: skip

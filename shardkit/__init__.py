@@ -2,7 +2,7 @@
 
 import sys as _sys
 
-from shardkit import attention, checkpoint, collectives, costmodel, kernels, layers, train
+from shardkit import attention, checkpoint, collectives, costmodel, kernels, layers, step, train
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.errors import ShardkitError
@@ -16,10 +16,10 @@ from shardkit.init import (
     state_logical_axes,
 )
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
-from shardkit.parallel import hetero, moe, pipeline, sdp, spatial, tensor3d  # sdp after train: its step builds on it
+from shardkit.parallel import hetero, moe, pipeline, sdp, spatial, tensor3d  # they register themselves
 from shardkit.rules import constrain, logical_to_spec, scope, use_rules
+from shardkit.step import TrainState, TrainStep, configure, make_train_step, register_step
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
-from shardkit.train import TrainState, TrainStep, make_train_step
 
 # The explain module was shardkit/inspect.py, which shadowed the standard library's `inspect` for scripts run from
 # inside the package; the old import path still works, without a file of that name.
@@ -41,6 +41,7 @@ __all__ = [
     "available_presets",
     "checkpoint",
     "collectives",
+    "configure",
     "constrain",
     "costmodel",
     "explain",
@@ -58,12 +59,14 @@ __all__ = [
     "param_shardings",
     "pipeline",
     "plan",
+    "register_step",
     "register_strategy",
     "scope",
     "sdp",
     "sharded_init",
     "spatial",
     "state_logical_axes",
+    "step",
     "strategy",
     "tensor3d",
     "train",

@@ -51,7 +51,7 @@ Prediction = tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], s
 
 
 def predict(
-    strategy: str, cfg: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+    strategy: Any, cfg: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
 ) -> Prediction | None:
     """(kind, axis) -> (count, bytes per device), memory per device, and the source, from the model's cost hook
     (`cfg.cost_model`); None when the model has none or it does not model this strategy."""
@@ -245,20 +245,20 @@ def explain(
     memory = dict(parameters=params, optimizer_state=opt, temporaries=temp, outputs=outs, arguments=args,
                   aliased=alias, peak=args + outs - alias + temp)  # fmt: skip
     shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(batch)}
-    cfg = model_cfg if model_cfg is not None else getattr(getattr(step, "_model", None), "cfg", None)
+    cfg = model_cfg if model_cfg is not None else getattr(getattr(step, "source_model", None), "cfg", None)
     nbytes = int(np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize)
     backend = "cpu" if platform == "cpu" else "tpu" if platform == "tpu" else "gpu"
     notes = []
-    if platform == "cpu" and any(w in step.strategy.name for w in ("fsdp", "sp", "zero", "tp3d")):
-        notes.append("XLA:CPU compiles GSPMD reduce-scatters as all-reduce + dynamic-slice (JAX_NOTES.md); "
+    if platform == "cpu" and step.strategy.traits().reduce_scatters:
+        notes.append("XLA:CPU compiles GSPMD reduce-scatters as all-reduce + dynamic-slice ; "
                      "the cost model's CPU backend predicts the same")  # fmt: skip
     if getattr(step, "microbatches", 1) > 1:
         notes.append(f"{step.microbatches} microbatches: predictions assume none (one gradient reduction per step)")
     own = getattr(step, "predict_costs", None)  # a step that knows its own collectives (SDP's holder averaging)
-    pred = own(state, backend) if own else predict(step.strategy.name, cfg, sizes, shapes, nbytes, backend)
+    pred = own(state, backend) if own else predict(step.strategy, cfg, sizes, shapes, nbytes, backend)
     if pred is None:
         pred = predict_from_rules(step, state, backend)
-        notes.append(f"no cost model of {type(getattr(step, '_model', None)).__name__}'s activations for "
+        notes.append(f"no cost model of {type(getattr(step, 'source_model', None)).__name__}'s activations for "
                      f"{step.strategy.name}: rows predicted '-' are not modelled")  # fmt: skip
     if exchanges and not any(k == "collective-permute" for k, _ in pred[0]):
         # explicit spatial halos the model's hook does not predict: each forward permute and, where the input is
@@ -281,7 +281,7 @@ def _scale(
     r: Report, step: Any, state: Any, batch: Any, target: dict[str, int], cfg: Any, nbytes: int, backend: str
 ) -> dict:
     """The SCALED figures for `target` (see the module docstring for the method of each)."""
-    pt = predict(r.strategy, cfg, target, r.batch, nbytes, backend)
+    pt = predict(step.strategy, cfg, target, r.batch, nbytes, backend)
     p_comms, p_mem = (pt[0], pt[1]) if pt else ({}, {})
     small = r.predicted_comms or {}
     colls = {}

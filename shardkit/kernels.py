@@ -37,16 +37,20 @@ class Kernel:
     fn: Callable[..., Any]
     layout: LayoutFn | None = None
     description: str = ""
+    #: (full name, a run's options for this kernel) -> full name: `sk.configure` applies the config section named
+    #: after the kernel (e.g. `pipeline`: schedule, microbatches) to a strategy that uses it
+    configure: Callable[[str, dict], str] | None = None
 
 
 _REGISTRY: dict[str, dict[str, Kernel]] = {}
 
 
 def register(
-    slot: str, name: str, fn: Callable[..., Any], *, layout: LayoutFn | None = None, description: str = ""
-) -> Kernel:
+    slot: str, name: str, fn: Callable[..., Any], *, layout: LayoutFn | None = None, description: str = "",
+    configure: Callable[[str, dict], str] | None = None,
+) -> Kernel:  # fmt: skip
     """Registers `fn` as implementation `name` of `slot` (replacing one of the same name)."""
-    kernel = Kernel(slot, name, fn, layout, description)
+    kernel = Kernel(slot, name, fn, layout, description, configure)
     _REGISTRY.setdefault(slot, {})[name] = kernel
     return kernel
 

@@ -32,10 +32,10 @@ BlockFn = Callable[..., jax.Array]
 StackKernel = Callable[..., jax.Array]
 
 
-def register_stack(name: str, fn: StackKernel) -> None:
+def register_stack(name: str, fn: StackKernel, configure: Callable[[str, dict], str] | None = None) -> None:
     """A strategy with `kernels={"layers": name}` makes `apply_stack` call
     `fn(block_fn, stacked, x, *args, remat, context)`; a name may carry options after a colon ("pipeline:1f1b")."""
-    kernels.register("layers", name, fn)
+    kernels.register("layers", name, fn, configure=configure)
 
 
 def scan_stack(

@@ -49,10 +49,11 @@ class Strategy:
     collectives: str = ""  # what it compiles to, for the README table and explain()
     #: slot -> kernel name (shardkit/kernels.py), e.g. {"attention": "ring:zigzag", "layers": "scan", "conv": ...}
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    #: subnetwork data parallelism's configuration (shardkit/parallel/sdp.py SDPConfig); None for the others
-    sdp: Any = None
-    #: uneven per-device micro-batch counts (shardkit/parallel/hetero.py HeteroConfig); None for the others
-    hetero: Any = None
+    #: the train step that runs this strategy (shardkit/step.py registry): "gspmd" (shardkit/train.py, one jit
+    #: partitioned by GSPMD from the tables) or a step of its own ("sdp", "hetero": shardkit/parallel/)
+    step: str = "gspmd"
+    #: that step's options (e.g. the SDP step's SDPConfig); None for the GSPMD step
+    options: Any = None
     #: Whale-style scoped rules: module path pattern -> rules that override all three tables for the parameters
     #: under that path (fnmatch on "a/b/c" paths and their prefixes) and for the activations the model computes
     #: inside `with sk.scope("<path>"):`. E.g. {"head": {"classes": "data", "batch": None}}: the classifier split
@@ -89,6 +90,10 @@ class Strategy:
         return self.replace(
             param_rules={**self.param_rules, **new}, compute_rules={**self.compute_rules, **new}, opt_rules=opt
         )
+
+    def traits(self) -> Traits:
+        """What the cost model and `explain` read about this strategy: its tables and kernels, normalised."""
+        return Traits.of(self)
 
     def mesh_axes(self) -> set[str]:
         """Every mesh axis any of the tables shards over."""
@@ -161,6 +166,75 @@ class Strategy:
         )
 
 
+def _axes_of(table: Mapping[str, MeshAxes]) -> dict[str, tuple[str, ...]]:
+    return {n: tuple(a) for n, a in table.items() if a}
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """A strategy as its tables say it is, whatever its name (`Strategy.traits()`): per logical name the mesh axes
+    of the compute, parameter and optimizer-state rules (sharded names only), the step and the kernels. A model's
+    cost hook decides from these which of its formulas applies, so a strategy registered under a new name with
+    the tables of a built-in gets the built-in's prediction."""
+
+    step: str
+    kernels: Mapping[str, str]
+    compute: Mapping[str, tuple[str, ...]]
+    params: Mapping[str, tuple[str, ...]]
+    optimizer: Mapping[str, tuple[str, ...]]
+    scoped: bool  # Whale-style per-module rules (Strategy.scopes) override the tables somewhere
+
+    @classmethod
+    def of(cls, s: Strategy) -> Traits:
+        params = _axes_of(s.param_rules)
+        opt = params if s.opt_rules is None else _axes_of(s.opt_rules)
+        return cls(s.step, dict(s.kernels), _axes_of(s.compute_rules), params, opt, bool(s.scopes))
+
+    def axes(self, *names: str, table: str = "compute") -> tuple[str, ...]:
+        """The mesh axes the logical `names` are split over in `table` (compute, params, optimizer), in order."""
+        rules = getattr(self, table)
+        return tuple(dict.fromkeys(a for n in names for a in rules.get(n, ())))
+
+    @property
+    def batch(self) -> tuple[str, ...]:
+        """Mesh axes that carry the batch (data parallelism in all its forms)."""
+        return self.axes("batch")
+
+    @property
+    def sequence(self) -> tuple[str, ...]:
+        """Mesh axes the sequence is split over everywhere (context parallelism: the ring's axes)."""
+        return self.axes("seq")
+
+    @property
+    def residual_sequence(self) -> tuple[str, ...]:
+        """Mesh axes only the residual stream's sequence is split over (Megatron's sequence parallelism)."""
+        return tuple(a for a in self.axes("res_seq") if a not in self.sequence)
+
+    @property
+    def gathered(self) -> tuple[str, ...]:
+        """Mesh axes parameters rest on but the compute gathers them from (ZeRO-3 / FSDP; AxoNN's depth);
+        the stacked `layers` dimension's (pipeline stages) excluded."""
+        out = [a for n, axes in self.params.items() if n != "layers" for a in axes if a not in self.compute.get(n, ())]
+        return tuple(dict.fromkeys(out))
+
+    @property
+    def optimizer_only(self) -> tuple[str, ...]:
+        """Mesh axes the optimizer state is split over beyond the parameters (ZeRO-1)."""
+        out = [a for n, axes in self.optimizer.items() for a in axes if a not in self.params.get(n, ())]
+        return tuple(dict.fromkeys(out))
+
+    @property
+    def stage(self) -> tuple[str, ...]:
+        """Mesh axes the stacked layers rest on (pipeline stages)."""
+        return self.axes("layers", table="params")
+
+    @property
+    def reduce_scatters(self) -> bool:
+        """Whether GSPMD is asked for reduce-scatters (sharded gradients or optimizer state, Megatron-SP's g),
+        which XLA:CPU compiles as an all-reduce plus a dynamic-slice."""
+        return bool(self.gathered or self.optimizer_only or self.residual_sequence)
+
+
 @dataclasses.dataclass(frozen=True)
 class BoundStrategy:
     """A strategy resolved against one mesh: the three rules tables contain only axes of that mesh."""
@@ -188,6 +262,12 @@ _TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tenso
 _DP_FSDP = ("data", "fsdp")
 # FSDP rests a transformer's parameters on their `embed` dimension and a CNN's on their (output) `channels`.
 _FSDP = {"embed": "fsdp", "channels": "fsdp"}
+
+#: Building blocks for strategies defined next to their parallelism (shardkit/parallel/pipeline.py):
+#: `table(**overrides)` = every logical name replicated but the overrides; Megatron's tensor rules; FSDP's
+#: parameter rules; the batch axes of data x fsdp.
+table = _rules
+TENSOR_RULES, FSDP_RULES, DATA_FSDP = dict(_TP), dict(_FSDP), _DP_FSDP
 
 STRATEGIES: dict[str, Strategy] = {}
 
@@ -461,30 +541,3 @@ register_strategy(
         " AR over data",
     )
 )
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Pipeline parallelism (shardkit/parallel/pipeline.py): the stacked `layers` axis of the parameters rests on
-# `stage`, and `layers="pipeline:<schedule>[:<microbatches>[:<virtual stages>]]"` picks the kernel (gpipe |
-# 1f1b | circular; microbatches default to the stage count). Other axes work inside the pipeline through the
-# usual rules.
-from shardkit.parallel import pipeline as _pipeline  # noqa: E402, F401  (registers the "pipeline" layer-stack kernel)
-
-for _name, _params, _compute, _required, _what in (
-    ("pp", {}, {}, ("stage",), "layers over stage only"),
-    ("pp_dp", {}, {"batch": "data"}, ("stage", "data"), "layers over stage x batch over data"),
-    ("pp_fsdp", _FSDP, {"batch": _DP_FSDP}, ("stage", "fsdp"), "layers over stage x fsdp (ZeRO-3)"),
-    ("pp_tp", _TP, {"batch": "data", **_TP}, ("stage", "tensor"), "layers over stage x Megatron tp over tensor"),
-):
-    register_strategy(
-        Strategy(
-            _name,
-            _rules(layers="stage", **_params),
-            _rules(**_compute),
-            required_axes=_required,
-            layers="pipeline:gpipe",
-            description=f"pipeline: {_what}; schedule in `layers` (pipeline:gpipe|1f1b|circular[:m[:v]])",
-            collectives="collective-permute of one microbatch activation per tick over stage (fwd and bwd)"
-            " + the other axes' collectives",
-        )
-    )

@@ -1,58 +1,24 @@
-"""The jitted training step for any Flax NNX model: its own loss and batch, gradient accumulation, optax update.
+"""The GSPMD train step: the strategy's rules tables, XLA's partitioner, gradient accumulation, optax update.
 
-    step = sk.make_train_step(model, optax.adamw(3e-4), mesh, "fsdp", loss_fn=loss_fn,
-                              batch_axes={"image": ("batch", "height", "width", None), "label": ("batch",)})
-    state = step.init_state()                 # optimizer state created directly sharded
-    state, metrics = step(state, batch)       # metrics: loss, grad_norm and whatever loss_fn reports
-
-`loss_fn(model, batch)` returns a scalar or `(scalar, {"metric": value})`; without one the model's own
-`loss(batch)` method is used (models/gpt.py's GPT has one). `batch` is any pytree of arrays; `batch_axes` gives
-each leaf's logical names, as a matching pytree or one tuple for every leaf (leaves with fewer dimensions take
-its prefix); default: the model's `batch_axes` attribute, else ("batch",) (the leading dimension is the batch,
-the rest replicated).
-
-Parameters (fp32 by default) live in `state.params` as a pure dict laid out by the strategy's parameter rules,
-the optimizer state by its optimizer-state rules (= parameter rules except for ZeRO-1), and the forward pass
-runs under its compute rules. Model state that is not a parameter (BatchNorm's `BatchStat`, dropout's RNG
-counters) lives in `state.model_state` and is updated by each step; PRNG keys are stored as their raw uint32
-data so that checkpoints and `device_put` treat them as plain arrays. Mixed precision: give the model a bf16
-compute dtype; parameters, gradients, the loss and the optimizer stay fp32.
+The default step of every strategy (`Strategy.step == "gspmd"`): one `jax.jit` of the whole step with the
+parameter / optimizer-state / batch shardings from the strategy's tables, and the forward pass traced under its
+compute rules, so that GSPMD partitions every op. The interface it implements, and the registry
+`make_train_step` looks the step up in, are shardkit/step.py's; steps of their own live in shardkit/parallel/.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit import batch as batching
-from shardkit import kernels
-from shardkit.batch import Batch, BatchAxes
+from shardkit.batch import Batch
 from shardkit.clipping import clip_by_global_norm, global_norm, norm_weights
-from shardkit.errors import ShardkitError
-from shardkit.init import is_key, split_params, state_logical_axes, state_shardings
-from shardkit.rules import flax_rules, logical_to_spec, use_rules
-from shardkit.strategies import Strategy
-from shardkit.strategies import strategy as get_strategy
-
-LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array  # int32 scalar
-    params: dict[str, Any]  # pure dict of the nnx.Param values, the structure of nnx.to_pure_dict
-    opt_state: Any
-    model_state: dict[str, Any] = flax.struct.field(default_factory=dict)  # BatchStat, RNG counters / key data
+from shardkit.step import TrainState, TrainStep, make_train_step, register_step
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -61,287 +27,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels).mean()
 
 
-def _param_specs(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {
-        jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(params)
-    }
-
-
-def require_one_axis(mesh: Mesh, axis: str, who: str, microbatches: int) -> None:
-    """The checks of a step that runs one `shard_map` over one mesh axis (sdp, hetero_dp): that axis alone, the
-    batch whole."""
-    if microbatches != 1:
-        raise ShardkitError(f"microbatches={microbatches}: {who} takes the batch whole (leave microbatches at 1)")
-    extra = {a: n for a, n in mesh.shape.items() if a != axis and n > 1}
-    if axis not in mesh.shape or extra:
-        raise ShardkitError(
-            f"{who} runs over the mesh axis {axis!r} alone (its devices are the workers); the mesh "
-            f"{dict(mesh.shape)} {'has ' + str(extra) if extra else 'lacks it'}: use e.g. --config.mesh={axis}=8"
-        )
-
-
-def _check_alive(tree: Any, what: str) -> None:
-    """A ShardkitError, not a crash in XLA, for arrays a donating step has consumed."""
-    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree)):
-        raise ShardkitError(
-            f"{what} holds deleted arrays: a train step donates the state it is given, so after "
-            "`state, metrics = step(state, batch)` only the returned state is valid. Keep using the returned one "
-            "(or build the step with donate=False to keep old states alive, at twice the memory)"
-        )
-
-
-class TrainStep:
-    """A jitted `(state, batch) -> (state, metrics)` with in/out shardings fixed by the strategy."""
-
-    def __init__(
-        self,
-        model: nnx.Module,
-        optimizer: optax.GradientTransformation,
-        mesh: Mesh,
-        strategy: str | Strategy,
-        *,
-        loss_fn: LossFn | None = None,
-        batch_axes: BatchAxes = None,
-        microbatches: int = 1,
-        donate: bool = True,
-    ):
-        if microbatches < 1:
-            raise ShardkitError(f"microbatches={microbatches} must be >= 1")
-        self.strategy = get_strategy(strategy)
-        kernels.check(self.strategy.kernels)
-        self.bound = self.strategy.bind(mesh)
-        self.mesh, self.tx, self.microbatches, self._model = mesh, optimizer, microbatches, model
-        self.loss_fn = self._default_loss(model) if loss_fn is None else loss_fn
-        batch_axes = getattr(model, "batch_axes", None) if batch_axes is None else batch_axes
-        self.batch_axes = ("batch",) if batch_axes is None else batch_axes
-        self.graphdef, params, rest = split_params(model)
-        rules = self.bound.param_rules
-        self.param_names = state_logical_axes(params)  # pure dict of each parameter's logical names
-        scopes = self.bound.scopes  # Whale-style per-module rules (Strategy.scopes)
-        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes)
-        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes)
-        self.model_state_shardings = state_shardings(rest, rules, mesh, require=False, scopes=scopes)
-        self._rest = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
-        leaves, self._param_treedef = jax.tree.flatten(nnx.to_pure_dict(params))
-        self._param_leaf_specs = [(tuple(x.shape), x.dtype) for x in leaves]
-        self._keys = jax.tree.map(is_key, self._rest)  # which model-state leaves are PRNG keys
-        abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
-        replicated = NamedSharding(mesh, PartitionSpec())
-        self.opt_shardings = optax.tree_utils.tree_map_params(
-            optimizer,
-            lambda _, s: s,
-            jax.eval_shape(optimizer.init, abs_params),
-            self.update_shardings,
-            transform_non_params=lambda _: replicated,
-        )
-        self.state_shardings = TrainState(
-            step=replicated, params=self.param_shardings, opt_state=self.opt_shardings,
-            model_state=self.model_state_shardings,
-        )  # fmt: skip
-        self._replicated, self._donate = replicated, donate
-        self._jitted: dict[Any, Any] = {}  # per batch structure: jit needs the batch's shardings up front
-        self._evals: dict[Any, Any] = {}
-        self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
-
-    @staticmethod
-    def _default_loss(model: nnx.Module) -> LossFn:
-        method = getattr(type(model), "loss", None)
-        if not callable(method):
-            raise ShardkitError(
-                f"{type(model).__name__} has no loss(batch) method: pass loss_fn=lambda model, batch: scalar "
-                "(or (scalar, {'metric': value})) to make_train_step"
-            )
-        return method  # GPT.loss(model, batch)
-
-    @property
-    def has_model_state(self) -> bool:
-        return bool(jax.tree.leaves(self._rest))
-
-    # ----------------------------------------------------------------------------------------------- state
-    def init_state(self, model: nnx.Module | None = None) -> TrainState:
-        """Parameters and model state from `model` (default: the one given at construction), optimizer state
-        sharded. The step may be built from `sk.abstract_model(...)` (shapes only) to validate, lower or restore
-        a checkpoint before any parameter exists; then pass the real model here.
-        """
-        _, params, rest = split_params(model or self._model)
-        params, rest = nnx.to_pure_dict(params), self._unwrap(nnx.to_pure_dict(rest))
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((params, rest))):
-            raise ShardkitError(
-                "this TrainStep was built from an abstract model (shapes only); pass the real model: "
-                "step.init_state(sk.sharded_init(make_model, mesh, strategy))"
-            )
-        _check_alive(params, "the model's parameters")
-        # copies (may_alias=False): each step donates the state it is given, so the state must not share buffers
-        # with the user's model, which would be deleted by the first step (issue #15)
-        params = jax.device_put(params, self.param_shardings, may_alias=False)
-        rest = jax.device_put(rest, self.model_state_shardings, may_alias=False)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-        return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)
-
-    def model(self, params: dict[str, Any] | TrainState, model_state: dict[str, Any] | None = None) -> nnx.Module:
-        """The NNX module holding `params` (or a TrainState's parameters and model state), for evaluation."""
-        if isinstance(params, TrainState):
-            params, model_state = params.params, params.model_state
-        if model_state is None:
-            if self.has_model_state:
-                raise ShardkitError("this model has state besides parameters: pass the TrainState, step.model(state)")
-            model_state = self._rest
-        return nnx.merge(self.graphdef, params, self._wrap(model_state))
-
-    def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs with shardings: the target tree for restoring a checkpoint onto this mesh."""
-        params = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(self._model)[1]))
-        rest = jax.eval_shape(self._unwrap, self._rest)
-        shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params), rest)
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
-        )
-
-    def _unwrap(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
-
-    def _wrap(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x) if k and not is_key(x) else x, tree, self._keys)
-
-    # ----------------------------------------------------------------------------------------------- batch
-    def batch_names(self, batch: Batch) -> Any:
-        """Each batch leaf's logical names (padded with None to its rank), as a pytree like the batch."""
-        return batching.leaf_names(batch, self.batch_axes)
-
-    def batch_shardings(self, batch: Batch) -> Any:
-        """NamedShardings for every batch leaf under the compute rules (divisibility: `check_batch`)."""
-        return batching.shardings(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh)
-
-    @property
-    def batch_sharding(self) -> NamedSharding:
-        """The sharding of a batch leaf of rank >= len(batch_axes) when batch_axes is one tuple (e.g. the GPT's
-        [batch, seq] tokens); for a pytree of batch_axes use `batch_shardings(batch)`."""
-        if not batching.is_names(self.batch_axes):
-            raise ShardkitError("batch_axes is a pytree: use step.batch_shardings(batch) for its shardings")
-        return NamedSharding(self.mesh, logical_to_spec(self.batch_axes, self.bound.compute_rules, self.mesh))
-
-    def check_batch(self, batch: Batch, microbatches: int | None = None) -> None:
-        """The batch fits the mesh and the microbatches (shardkit/batch.py), before XLA sees it."""
-        m = self.microbatches if microbatches is None else microbatches
-        batching.check(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh, m)
-
-    def _prepared(self, batch: Batch, microbatches: int | None = None) -> tuple[Any, Any]:
-        """(jit key, shardings) of a checked batch; the check runs once per batch signature, not every step."""
-        m = self.microbatches if microbatches is None else microbatches
-        leaves, treedef = jax.tree.flatten(batch)
-        shapes = tuple(tuple(getattr(x, "shape", ())) for x in leaves)
-        first = (treedef, shapes, m) not in self._checked
-        if first:
-            self.check_batch(batch, m)
-            self._checked[treedef, shapes, m] = self.batch_shardings(batch)
-        # The model's own value checks (the GPT: token ids in [0, vocab)): host arrays every step (cheap), device
-        # arrays on a signature's first batch only (reading them back would stall the asynchronous dispatch).
-        validate = getattr(self._model, "validate_batch", None)
-        concrete = all(isinstance(x, np.ndarray | jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves)
-        if validate is not None and concrete and (first or any(isinstance(x, np.ndarray) for x in leaves)):
-            validate(batch)
-        return (treedef, tuple(map(len, shapes))), self._checked[treedef, shapes, m]
-
-    def _jit(self, key: Any, shardings: Any) -> Any:
-        """The step (and its evaluation) compiled for one batch structure and leaf ranks, with their shardings."""
-        if key not in self._jitted:
-            self._jitted[key] = jax.jit(
-                self._step,
-                in_shardings=(self.state_shardings, shardings),
-                out_shardings=(self.state_shardings, self._replicated),
-                donate_argnums=(0,) if self._donate else (),
-            )
-            self._evals[key] = jax.jit(
-                self._eval_fn, in_shardings=(self.param_shardings, self.model_state_shardings, shardings)
-            )
-        return self._jitted[key]
-
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        if self._donate:
-            _check_alive(state, "this TrainState")
-        self._check_state(state)
-        key, shardings = self._prepared(batch)
-        return self._jit(key, shardings)(state, batching.place(batch, shardings))
-
-    def _check_state(self, state: TrainState) -> None:
-        """The state is this step's model's: for other shapes jit would retrace and train another model."""
-        leaves, treedef = jax.tree.flatten(state.params)
-        if treedef == self._param_treedef and all(
-            x.shape == s and x.dtype == d for x, (s, d) in zip(leaves, self._param_leaf_specs, strict=True)
-        ):
-            return
-        expected = [jax.ShapeDtypeStruct(*spec) for spec in self._param_leaf_specs]
-        want, got = _param_specs(jax.tree.unflatten(self._param_treedef, expected)), _param_specs(state.params)
-        if got != want:
-            bad = [
-                f"{k} is {got.get(k, 'missing')}, the step's model has {w}" for k, w in want.items() if got.get(k) != w
-            ]
-            diff = bad[0] if bad else f"it has parameters the model lacks: {sorted(set(got) - set(want))}"
-            raise ShardkitError(
-                f"this TrainState's parameters are not this step's model's: {diff}. Build the state with "
-                "step.init_state(), or restore a checkpoint onto step.abstract_state()"
-            )
-
-    def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
-        return self._jit(*self._prepared(batch)).lower(state, batch)
-
-    def prepare(self, batch: Batch) -> Batch:
-        """The batch as the compiled step (`lower(...).compile()`) takes it: unchanged here; a step that lays the
-        batch out its own way (hetero_dp's per-device micro-batches) overrides this."""
-        return batch
-
-    def eval_loss(self, params: dict[str, Any] | TrainState, batch: Batch) -> jax.Array:
-        """The loss in evaluation mode (`model.eval()`: running BatchNorm statistics, no dropout)."""
-        return self.evaluate(params, batch)[0]
-
-    def evaluate(self, state: dict[str, Any] | TrainState, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(loss, metrics) in evaluation mode, for a TrainState (or, for a model without other state, params)."""
-        params, model_state = (state.params, state.model_state) if isinstance(state, TrainState) else (state, None)
-        if model_state is None:
-            if self.has_model_state:
-                raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
-            model_state = self._unwrap(self._rest)
-        _check_alive((params, model_state), "this state")
-        key, shardings = self._prepared(batch, microbatches=1)  # evaluation takes the batch whole
-        self._jit(key, shardings)
-        return self._evals[key](params, model_state, batching.place(batch, shardings))
-
-    # ------------------------------------------------------------------------------------------- the step
-    @contextlib.contextmanager
-    def _tracing(self, rules: dict[str, Any], local: bool = False) -> Iterator[None]:
-        """shardkit's compute rules and kernels, and Flax's logical rules (for nn.with_logical_constraint).
-
-        `local`: inside a `shard_map` manual over every mesh axis (subnetwork data parallelism), where each device
-        computes on its own shard: every logical name replicated, on the abstract mesh."""
-        if local:
-            with use_rules(jax.sharding.get_abstract_mesh(), dict.fromkeys(rules), kernels=self.strategy.kernels):
-                yield
-            return
-        with use_rules(self.mesh, rules, kernels=self.strategy.kernels, scopes=self.bound.scopes), \
-                flax_rules(self.mesh, rules):  # fmt: skip
-            yield
-
-    def _apply(
-        self, params: Any, model_state: Any, batch: Batch, rules: dict[str, Any] | None = None, train: bool = True,
-        local: bool = False,
-    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:  # fmt: skip
-        """loss, (metrics, new model state) of loss_fn on the merged model."""
-        with self._tracing(rules or self.bound.compute_rules, local):
-            model = nnx.merge(self.graphdef, params, self._wrap(model_state))
-            model.train() if train else model.eval()
-            out = self.loss_fn(model, batch)
-            new_state = self._unwrap(nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
-        loss, aux = out if isinstance(out, tuple) else (out, {})
-        if not isinstance(aux, dict):
-            raise ShardkitError(f"loss_fn returned {type(aux).__name__} as metrics; return (loss, dict of metrics)")
-        if jnp.shape(loss) != ():
-            raise ShardkitError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
-        return loss, (aux, new_state)
-
-    def _eval_fn(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        loss, (aux, _) = self._apply(params, model_state, batch, train=False)
-        return loss, aux
+@register_step("gspmd")
+class GSPMDStep(TrainStep):
+    """The strategy's tables applied by GSPMD; `microbatches > 1` accumulates gradients with one reduction."""
 
     def _accumulate(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, Any, Any, Any]:
         """Mean loss, metrics and gradient over `microbatches` slices of the batch, reduced over devices once.
@@ -362,7 +50,7 @@ class TrainStep:
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
         axes = self.bound.compute_rules.get("batch") or ()
         d = math.prod(self.mesh.shape[a] for a in axes)
-        value_and_grad = jax.value_and_grad(self._apply, has_aux=True)
+        value_and_grad = jax.value_and_grad(self.apply, has_aux=True)
         first = jax.tree.map(lambda x: x[0], micro)
         if self.has_model_state or d == 1:
 
@@ -398,9 +86,9 @@ class TrainStep:
         loss, aux, grads = jax.tree.map(lambda x: x.sum(axis=0) / (m * d), total)
         return loss, aux, grads, model_state
 
-    def _step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         if self.microbatches == 1:
-            (loss, (aux, model_state)), grads = jax.value_and_grad(self._apply, has_aux=True)(
+            (loss, (aux, model_state)), grads = jax.value_and_grad(self.apply, has_aux=True)(
                 state.params, state.model_state, batch
             )
         else:
@@ -417,36 +105,8 @@ class TrainStep:
         return new, metrics
 
 
-def make_train_step(
-    model: nnx.Module,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    strategy: str | Strategy,
-    *,
-    loss_fn: LossFn | None = None,
-    batch_axes: BatchAxes = None,
-    microbatches: int = 1,
-    donate: bool = True,
-) -> TrainStep:
-    """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`.
-
-    A subnetwork-data-parallel strategy (`sk.sdp.strategy(...)`, `Strategy.sdp` set) gets its own step class
-    (shardkit/parallel/sdp.py) with the same interface."""
-    chosen = get_strategy(strategy)
-    if chosen.hetero is not None or chosen.sdp is not None:  # steps of their own (shardkit/parallel/)
-        if chosen.hetero is not None:
-            from shardkit.parallel.hetero_step import HeteroTrainStep as Step
-        else:
-            from shardkit.parallel.sdp_step import SDPTrainStep as Step
-        return Step(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes,
-                    microbatches=microbatches, donate=donate)  # fmt: skip
-    return TrainStep(
-        model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
-        donate=donate,
-    )  # fmt: skip
-
-
 __all__ = [
+    "GSPMDStep",
     "TrainState",
     "TrainStep",
     "clip_by_global_norm",

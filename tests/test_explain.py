@@ -80,7 +80,7 @@ def no_allocation(monkeypatch):
         raise AssertionError("explain must not allocate parameters or read data")
 
     for target in ("shardkit.sharded_init", "shardkit.init.sharded_init", "experiments.train.data.load_dataset",
-                   "shardkit.train.TrainStep.init_state", "experiments.train.data.global_batch"):  # fmt: skip
+                   "shardkit.step.TrainStep.init_state", "experiments.train.data.global_batch"):  # fmt: skip
         monkeypatch.setattr(target, boom)
 
 

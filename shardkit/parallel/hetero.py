@@ -219,7 +219,7 @@ def balance(
 
 @dataclasses.dataclass(frozen=True)
 class HeteroConfig:
-    """`Strategy.hetero`: micro-batches per device along `axis` and their size in examples."""
+    """`Strategy.options` of the hetero step (hetero_step.py): micro-batches per device along `axis`, their size."""
 
     counts: tuple[int, ...]
     microbatch: int = 1  # examples per micro-batch
@@ -252,7 +252,7 @@ def strategy(
 
     cfg = HeteroConfig(tuple(counts), int(microbatch), axis, mode, tuple(speeds))
     return named("dp").replace(
-        name="hetero_dp", hetero=cfg,
+        name="hetero_dp", step="hetero", options=cfg,
         description=f"data parallelism with per-device micro-batch counts {list(cfg.counts)} x {cfg.microbatch} "
         f"examples ({mode})",
         collectives="one all-reduce of the gradients after every device's loop (none inside it)",

@@ -20,26 +20,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardkit.clipping import global_norm
 from shardkit.errors import ShardkitError
-from shardkit.parallel.hetero import HeteroConfig, even_split, simulated_step_time
-from shardkit.train import TrainState, TrainStep, _check_alive, global_norm, require_one_axis
+from shardkit.parallel.hetero import HeteroConfig, even_split, simulated_step_time, split_batch
+from shardkit.parallel.hetero import strategy as hetero_strategy
+from shardkit.step import TrainState, TrainStep, check_alive, register_step, require_one_axis
 
 
+@register_step("hetero")
 class HeteroTrainStep(TrainStep):
     """`make_train_step` for `sk.hetero.strategy(counts, microbatch)`: a TrainStep whose batch is split unevenly."""
 
-    def __init__(
-        self, model: nnx.Module, optimizer: optax.GradientTransformation, mesh: Mesh, strategy: Any, *,
-        loss_fn: Any = None, batch_axes: Any = None, microbatches: int = 1, donate: bool = True,
-    ) -> None:  # fmt: skip
-        super().__init__(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, donate=donate)
-        cfg: HeteroConfig = self.strategy.hetero
-        self.cfg, axis = cfg, cfg.axis
-        require_one_axis(mesh, axis, "hetero_dp", microbatches)
+    @classmethod
+    def configure(cls, strategy: Any, options: Any, *, devices: int, global_batch: int = 0, preset: Any = None,
+                  **context: Any) -> Any:  # fmt: skip
+        """Micro-batch counts balanced over the devices' speeds (a run's `hetero` section): speeds from
+        `speeds` ("2,2,1,1,...") or else from the mesh preset's [[groups]]; caps from `microbatch_bytes` (0:
+        uncapped) against each device's memory; `balance=False` gives the even split (for comparison)."""
+        if not options:
+            return strategy
+        micro = int(options.get("microbatch", 1))
+        if global_batch % micro:
+            raise ShardkitError(
+                f"batch_size={global_batch} is not a whole number of hetero.microbatch={micro} examples"
+            )
+        if options.get("speeds"):
+            speeds = [float(v) for v in str(options["speeds"]).split(",")]
+        elif preset is not None and preset.groups:
+            speeds = preset.device_speeds()
+        else:
+            raise ShardkitError(
+                "strategy=hetero_dp needs device speeds: a heterogeneous mesh preset (--config.mesh=hetero_v100_p100, "
+                "hetero_a100_h100) or --config.hetero.speeds=2,2,1,1,..."
+            )
+        if len(speeds) != devices:
+            raise ShardkitError(f"{len(speeds)} device speeds {speeds} for {devices} devices: give one per device")
+        total = global_batch // micro
+        memory = preset.device_memory() if preset is not None and preset.groups else None
+        per = float(options.get("microbatch_bytes", 0.0))
+        caps = [int(m // per) for m in memory] if memory and per else None
+        counts = split_batch(total, speeds, caps) if options.get("balance", True) else even_split(total, devices)
+        return hetero_strategy(counts, micro, mode=options.get("mode", "loop"), speeds=speeds)
+
+    def setup(self) -> None:
+        cfg = self.strategy.options
+        if not isinstance(cfg, HeteroConfig):
+            raise ShardkitError(f"strategy {self.strategy.name!r} names the hetero step but its options are "
+                                f"{cfg!r}; build it with sk.hetero.strategy(counts, microbatch)")  # fmt: skip
+        self.cfg, axis, mesh = cfg, cfg.axis, self.mesh
+        require_one_axis(mesh, axis, "hetero_dp", self.microbatches)
         if len(cfg.counts) != mesh.shape[axis]:
             raise ShardkitError(
                 f"hetero counts {list(cfg.counts)} name {len(cfg.counts)} devices but the {axis!r} axis has "
@@ -106,18 +138,12 @@ class HeteroTrainStep(TrainStep):
 
     def _compiled(self, laid: Any) -> Any:
         key = "hetero", jax.tree.structure(laid), tuple(x.ndim for x in jax.tree.leaves(laid))
-        if key not in self._jitted:
-            shardings = jax.tree.map(lambda _: NamedSharding(self.mesh, P(self.cfg.axis)), laid)
-            self._jitted[key] = jax.jit(
-                self._step, in_shardings=(self.state_shardings, shardings),
-                out_shardings=(self.state_shardings, self._replicated), donate_argnums=(0,) if self._donate else (),
-            )  # fmt: skip
-        return self._jitted[key]
+        return self.jit(key, jax.tree.map(lambda _: NamedSharding(self.mesh, P(self.cfg.axis)), laid))
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        if self._donate:
-            _check_alive(state, "this TrainState")
-        self._check_state(state)
+        if self.donate:
+            check_alive(state, "this TrainState")
+        self.check_state(state)
         self.check_batch(batch)
         laid = self.layout(batch)
         return self._compiled(laid)(state, laid)
@@ -141,7 +167,9 @@ class HeteroTrainStep(TrainStep):
         axis, counts = self.cfg.axis, jnp.asarray(self.cfg.counts, jnp.int32)
         mine = counts[jax.lax.axis_index(axis)]
         params = jax.lax.pcast(params, (axis,), to="varying")  # local gradients inside the loop (module doc)
-        value_and_grad = jax.value_and_grad(lambda p, b: self._apply(p, self._rest, b, local=True), has_aux=True)
+        value_and_grad = jax.value_and_grad(
+            lambda p, b: self.apply(p, self.initial_model_state, b, local=True), has_aux=True
+        )
 
         def body(i: jax.Array, acc: Any) -> Any:
             mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x[0], i, keepdims=False), batch)
@@ -160,7 +188,7 @@ class HeteroTrainStep(TrainStep):
         loss, aux, grads = jax.tree.map(lambda x: jax.lax.psum(x, axis) / sum(self.cfg.counts), total)
         return grads, loss, aux
 
-    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         specs = jax.tree.map(lambda _: P(self.cfg.axis), batch)
         local = jax.shard_map(self._local, mesh=self.mesh, in_specs=(P(), specs), out_specs=P())
         grads, loss, aux = local(state.params, batch)

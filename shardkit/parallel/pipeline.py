@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from shardkit.errors import ShardkitError
 from shardkit.layers import register_stack, scan_stack
 from shardkit.rules import use_rules
+from shardkit.strategies import DATA_FSDP, FSDP_RULES, TENSOR_RULES, Strategy, register_strategy, table
 
 IDLE, FWD, BWD = 0, 1, 2
 SCHEDULES = ("gpipe", "1f1b", "circular")
@@ -357,6 +358,46 @@ def _refill(args: tuple, keep: list[int], given: tuple) -> list[Any]:
     return out
 
 
-register_stack("pipeline", pipeline_stack)
+def configure_name(name: str, options: dict[str, Any]) -> str:
+    """The kernel name for a run's `pipeline` options (schedule, microbatches, virtual_stages; 0 = default):
+    `sk.configure` calls this for a strategy whose layer stack is a pipeline."""
+    kind, m = options.get("schedule", "gpipe"), options.get("microbatches", 0)
+    v = options.get("virtual_stages", 0)
+    return f"pipeline:{kind}" + (f":{m}" if m or v else "") + (f":{v}" if v else "")
+
+
+register_stack("pipeline", pipeline_stack, configure=configure_name)
 
 __all__ = ["SCHEDULES", "Schedule", "bubble_formula", "parse", "pipeline_stack", "schedule"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pipeline parallelism (this file's kernel): the stacked `layers` axis of the parameters rests on
+# `stage`, and `layers="pipeline:<schedule>[:<microbatches>[:<virtual stages>]]"` picks the kernel (gpipe |
+# 1f1b | circular; microbatches default to the stage count). Other axes work inside the pipeline through the
+# usual rules.
+
+for _name, _params, _compute, _required, _what in (
+    ("pp", {}, {}, ("stage",), "layers over stage only"),
+    ("pp_dp", {}, {"batch": "data"}, ("stage", "data"), "layers over stage x batch over data"),
+    ("pp_fsdp", FSDP_RULES, {"batch": DATA_FSDP}, ("stage", "fsdp"), "layers over stage x fsdp (ZeRO-3)"),
+    (
+        "pp_tp",
+        TENSOR_RULES,
+        {"batch": "data", **TENSOR_RULES},
+        ("stage", "tensor"),
+        "layers over stage x Megatron tp over tensor",
+    ),
+):
+    register_strategy(
+        Strategy(
+            _name,
+            table(layers="stage", **_params),
+            table(**_compute),
+            required_axes=_required,
+            layers="pipeline:gpipe",
+            description=f"pipeline: {_what}; schedule in `layers` (pipeline:gpipe|1f1b|circular[:m[:v]])",
+            collectives="collective-permute of one microbatch activation per tick over stage (fwd and bwd)"
+            " + the other axes' collectives",
+        )
+    )

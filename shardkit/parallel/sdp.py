@@ -95,9 +95,10 @@ def strategy(
     seed: int = 0, *, axis: str = "data", units: str = "", groups: int = 0, reduce: str = "auto",
     eval: str = "subnetworks",
 ) -> Any:  # fmt: skip
-    """The `sdp` strategy: data parallelism's rules tables plus the subnetwork configuration (`Strategy.sdp`).
+    """The `sdp` strategy: data parallelism's rules tables plus the subnetwork configuration (`Strategy.options`,
+    run by the `sdp` step: sdp_step.py).
 
-    `sk.make_train_step(model, tx, mesh, sk.sdp.strategy(...))` builds the SDP step (shardkit/parallel/sdp.py);
+    `sk.make_train_step(model, tx, mesh, sk.sdp.strategy(...))` builds the SDP step (shardkit/parallel/sdp_step.py);
     `sk.strategy("sdp")` is this with its defaults (block, coverage 1/2, forward, cyclic)."""
     from shardkit.strategies import strategy as named
 
@@ -106,7 +107,7 @@ def strategy(
     desc = (f"subnetwork data parallelism: {cfg.granularity}-level, coverage {cfg.coverage:g}, {cfg.masking} "
             f"masking, {cfg.ownership} ownership; shared parameters data-parallel")  # fmt: skip
     return named("dp").replace(
-        name="sdp", sdp=cfg, description=desc,
+        name="sdp", step="sdp", options=cfg, description=desc,
         collectives="holder averaging: ring of collective-permutes (or a masked all-reduce); all-reduce of the "
         "shared gradients",
     )  # fmt: skip
@@ -382,7 +383,6 @@ def unpack(buf: jax.Array, meta: list[tuple[tuple[int, ...], Any]]) -> list[jax.
 __all__ = [
     "Ring",
     "SDPConfig",
-    "SDPTrainStep",
     "Split",
     "check_ownership",
     "masked_average",
@@ -396,5 +396,3 @@ __all__ = [
 
 
 register_strategy(strategy())
-
-from shardkit.parallel.sdp_step import SDPTrainStep  # noqa: E402  (the step builds on everything above)

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardkit import batch as batching
+from shardkit.clipping import global_norm, norm_weights
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes
 from shardkit.parallel.sdp import (
@@ -39,7 +39,8 @@ from shardkit.parallel.sdp import (
     slots,
     unpack,
 )
-from shardkit.train import TrainState, TrainStep, _check_alive, global_norm, norm_weights, require_one_axis
+from shardkit.parallel.sdp import strategy as sdp_strategy
+from shardkit.step import TrainState, TrainStep, check_alive, register_step, require_one_axis
 
 
 def _is_split(x: Any) -> bool:
@@ -51,6 +52,7 @@ def _map(fn: Any, splits: Any, *trees: Any) -> Any:
     return jax.tree.map(fn, splits, *trees, is_leaf=lambda x: x is None or _is_split(x))
 
 
+@register_step("sdp")
 class SDPTrainStep(TrainStep):
     """`make_train_step` for an SDP strategy: `step(state, batch) -> (state, metrics)` like any TrainStep.
 
@@ -59,21 +61,25 @@ class SDPTrainStep(TrainStep):
     (or unit group) in network order (`step.slots`); `step.full_params(state)` reassembles the full network.
     """
 
-    def __init__(
-        self, model: nnx.Module, optimizer: optax.GradientTransformation, mesh: Mesh, strategy: Any, *,
-        loss_fn: Any = None, batch_axes: Any = None, microbatches: int = 1, donate: bool = True,
-    ) -> None:  # fmt: skip
-        super().__init__(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, donate=donate)
-        cfg: SDPConfig = self.strategy.sdp
-        self.cfg, axis = cfg, cfg.axis
-        require_one_axis(mesh, axis, "sdp", microbatches)
+    @classmethod
+    def configure(cls, strategy: Any, options: Any, **context: Any) -> Any:
+        """`sk.sdp.strategy(**options)`: a run's `sdp` section (granularity, coverage, masking, ...)."""
+        return sdp_strategy(**options) if options else strategy
+
+    def setup(self) -> None:
+        cfg = self.strategy.options
+        if not isinstance(cfg, SDPConfig):
+            raise ShardkitError(f"strategy {self.strategy.name!r} names the sdp step but its options are "
+                                f"{cfg!r}; build it with sk.sdp.strategy(...)")  # fmt: skip
+        self.cfg, axis, mesh, model = cfg, cfg.axis, self.mesh, self.source_model
+        require_one_axis(mesh, axis, "sdp", self.microbatches)
         self.workers = w = mesh.shape[axis]
         full = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(model)[1]))
         rest_state = split_params(model)[2]
         self.splits = find_splits(self.param_names, full, cfg, w, "parameter")
         forward = cfg.masking == "forward"
         names = state_logical_axes(rest_state, require=False)
-        rest_shapes = jax.eval_shape(self._unwrap, nnx.to_pure_dict(rest_state))  # an abstract model's too
+        rest_shapes = jax.eval_shape(self.unwrap_keys, nnx.to_pure_dict(rest_state))  # an abstract model's too
         no_split = jax.tree.map(lambda _: None, names, is_leaf=lambda x: isinstance(x, tuple))
         self.state_splits = find_splits(names, rest_shapes, cfg, w, "model state") if forward else no_split
         groups = sorted({s.groups for s in jax.tree.leaves(self.splits, is_leaf=_is_split) if _is_split(s)})
@@ -104,7 +110,7 @@ class SDPTrainStep(TrainStep):
     # ------------------------------------------------------------------------------------------ layout
     def _layout_setup(self, full: Any, rest_shapes: Any) -> None:
         """Shardings, shapes and norm weights of the `[workers, k, ...]` layout (forward masking)."""
-        lay, rep = layout_sharding(self.mesh, self.cfg.axis), self._replicated
+        lay, rep = layout_sharding(self.mesh, self.cfg.axis), self.replicated
         shard = lambda s, _: lay if s is not None else rep
         self.layout_params = _map(shard, self.splits, full)
         self.layout_state = _map(shard, self.state_splits, rest_shapes)
@@ -117,8 +123,7 @@ class SDPTrainStep(TrainStep):
         self.state_shardings = TrainState(
             step=rep, params=self.layout_params, opt_state=self.opt_shardings, model_state=self.layout_state
         )
-        leaves, self._param_treedef = jax.tree.flatten(abstract)
-        self._param_leaf_specs = [(tuple(x.shape), x.dtype) for x in leaves]
+        self.set_param_layout(abstract)
 
         def weight(split: Split | None, _: Any) -> Any:
             if split is None:
@@ -149,7 +154,7 @@ class SDPTrainStep(TrainStep):
     def full_params(self, state: TrainState | dict[str, Any]) -> tuple[Any, Any]:
         """(parameters, model state) of the full network from an SDP state (replicated, for evaluation)."""
         params, model_state = (state.params, state.model_state) if isinstance(state, TrainState) else (state, None)
-        _check_alive((params, model_state), "this state")
+        check_alive((params, model_state), "this state")
         if self.cfg.masking == "backward":
             return params, model_state
         if not self._assemble:  # compiled once, reused by every evaluation
@@ -164,20 +169,22 @@ class SDPTrainStep(TrainStep):
     def init_state(self, model: nnx.Module | None = None) -> TrainState:
         if self.cfg.masking == "backward":
             return super().init_state(model)
-        _, params, rest = split_params(model or self._model)
-        params, rest = nnx.to_pure_dict(params), self._unwrap(nnx.to_pure_dict(rest))
+        _, params, rest = split_params(model or self.source_model)
+        params, rest = nnx.to_pure_dict(params), self.unwrap_keys(nnx.to_pure_dict(rest))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((params, rest))):
             raise ShardkitError("this step was built from an abstract model; pass the real one to init_state")
         params = jax.jit(lambda p: self.to_layout(p, self.splits), out_shardings=self.layout_params)(params)
         rest = jax.jit(lambda m: self.to_layout(m, self.state_splits), out_shardings=self.layout_state)(rest)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)
 
     def abstract_state(self) -> TrainState:
         if self.cfg.masking == "backward":
             return super().abstract_state()
-        rest = jax.eval_shape(lambda r: self.to_layout(self._unwrap(r), self.state_splits), self._rest)
+        rest = jax.eval_shape(
+            lambda r: self.to_layout(self.unwrap_keys(r), self.state_splits), self.initial_model_state
+        )
         shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self._layout_abstract,
                             jax.eval_shape(self.tx.init, self._layout_abstract), rest)  # fmt: skip
         return jax.tree.map(
@@ -197,19 +204,19 @@ class SDPTrainStep(TrainStep):
         if self.cfg.masking == "forward" and self.cfg.eval == "subnetworks":
             if not isinstance(state, TrainState):
                 raise ShardkitError("sdp evaluation of the subnetworks needs the TrainState: step.evaluate(state, b)")
-            _check_alive(state, "this state")
-            key, shardings = self._prepared(batch, microbatches=1)
-            if ("sub", key) not in self._evals:
+            check_alive(state, "this state")
+            key, shardings = self.prepared(batch, microbatches=1)
+            if ("sub", key) not in self.cache:
                 specs = jax.tree.map(lambda s: s.spec, shardings)
                 fn = jax.shard_map(
                     self._local_eval, mesh=self.mesh, check_vma=False, out_specs=P(),
                     in_specs=(self._specs(self.splits, state.params), self._specs(self.state_splits,
                               state.model_state), specs),
                 )  # fmt: skip
-                self._evals["sub", key] = jax.jit(fn)
-            return self._evals["sub", key](state.params, state.model_state, batching.place(batch, shardings))
+                self.cache["sub", key] = jax.jit(fn)
+            return self.cache["sub", key](state.params, state.model_state, batching.place(batch, shardings))
         if isinstance(state, TrainState):
-            _check_alive(state, "this state")
+            check_alive(state, "this state")
             params, model_state = self.full_params(state)
             state = TrainState(state.step, params, None, model_state)
         elif self.cfg.masking == "forward":
@@ -228,10 +235,10 @@ class SDPTrainStep(TrainStep):
         if forward:  # [1, k, ...] slots -> the subnetwork's arrays (k blocks, or k unit groups)
             params = _map(lambda s, x: x if s is None else s.from_groups(x[0]), self.splits, params)
             model_state = _map(lambda s, x: x if s is None else s.from_groups(x[0]), self.state_splits, model_state)
-        keys = jax.tree.map(lambda k, x: k and not is_key(x), self._keys, model_state)
+        keys = jax.tree.map(lambda k, x: k and not is_key(x), self.key_leaves, model_state)
         fold = lambda k, x: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(x), idx)) if k else x
         local_state = jax.tree.map(fold, keys, model_state)  # each worker its own dropout bits
-        grad_fn = jax.value_and_grad(lambda p, m, b: self._apply(p, m, b, local=True), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, m, b: self.apply(p, m, b, local=True), has_aux=True)
         (loss, (aux, new_state)), grads = grad_fn(params, local_state, batch)
         new_state = jax.tree.map(lambda k, x, new: x if k else new, keys, model_state, new_state)
 
@@ -279,11 +286,11 @@ class SDPTrainStep(TrainStep):
         """One worker's subnetwork in evaluation mode on its batch shard; loss and metrics averaged over workers."""
         params = _map(lambda s, x: x if s is None else s.from_groups(x[0]), self.splits, params)
         model_state = _map(lambda s, x: x if s is None else s.from_groups(x[0]), self.state_splits, model_state)
-        loss, (aux, _) = self._apply(params, model_state, batch, train=False, local=True)
+        loss, (aux, _) = self.apply(params, model_state, batch, train=False, local=True)
         out = jax.lax.pmean({"loss": loss, **aux}, self.cfg.axis)
         return out.pop("loss"), out
 
-    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         batch_specs = jax.tree.map(lambda s: s.spec, self.batch_shardings(batch))
         param_specs = self._specs(self.splits, state.params)
         state_specs = self._specs(self.state_splits, state.model_state)
@@ -346,8 +353,8 @@ class SDPTrainStep(TrainStep):
         "ring_all_reduce_bytes", ...}. Counted: gradients, float model state (BatchNorm statistics: the split ones
         ride in the holder averaging, the others in the shared all-reduce) and the loss and metrics."""
         is_leaf = lambda v: v is None or _is_split(v)
-        full = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(self._model)[1]))
-        rest = jax.eval_shape(self._unwrap, self._rest)
+        full = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(self.source_model)[1]))
+        rest = jax.eval_shape(self.unwrap_keys, self.initial_model_state)
         floats = [x for x in jax.tree.leaves(rest) if jnp.issubdtype(x.dtype, jnp.floating)]
         state_splits = [s for s, x in zip(jax.tree.leaves(self.state_splits, is_leaf=is_leaf), jax.tree.leaves(rest),
                                           strict=True) if jnp.issubdtype(x.dtype, jnp.floating)]  # fmt: skip

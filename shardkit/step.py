@@ -1,0 +1,460 @@
+"""The train-step interface every parallelism implements, and the registry a strategy's step is looked up in.
+
+    step = sk.make_train_step(model, optax.adamw(3e-4), mesh, "fsdp", loss_fn=loss_fn,
+                              batch_axes={"image": ("batch", "height", "width", None), "label": ("batch",)})
+    state = step.init_state()                 # optimizer state created directly sharded
+    state, metrics = step(state, batch)       # metrics: loss, grad_norm and whatever loss_fn reports
+
+A strategy names the step that runs it (`Strategy.step`, default "gspmd": shardkit/train.py) and carries that
+step's options (`Strategy.options`). A step is a subclass of `TrainStep` that registers itself next to its
+parallelism (shardkit/parallel/sdp_step.py, hetero_step.py), implements `step_fn` (the function that is jitted)
+and, if it needs to, `setup` (reads its options, after the common construction below) and the methods whose
+layout differs from the GSPMD step's (`init_state`, `abstract_state`, `evaluate`, `prepare`, ...):
+
+    @sk.register_step("my_step")
+    class MyStep(sk.TrainStep):
+        def step_fn(self, state, batch): ...            # (state, batch) -> (state, metrics), traced once
+
+docs/architecture.md has a worked example. What every step promises:
+
+- `step(state, batch) -> (state, metrics)`: one training step; `metrics` has `loss`, `grad_norm` and the loss
+  function's own metrics. The step donates `state` (unless built with `donate=False`).
+- `init_state(model=None)`, `abstract_state()`: a `TrainState` laid out as the step stores it (the second as
+  ShapeDtypeStructs with shardings, the target of a checkpoint restore).
+- `evaluate(state, batch) -> (loss, metrics)` in evaluation mode; `model(state)` the NNX module for inference.
+- `check_batch(batch)`: a `ShardkitError` for a batch that does not fit the mesh, before XLA sees it;
+  `prepare(batch)`: the batch as `lower(state, batch).compile()` takes it; `lower(state, batch)`.
+
+`loss_fn(model, batch)` returns a scalar or `(scalar, {"metric": value})`; without one the model's own
+`loss(batch)` method is used (models/gpt.py's GPT has one). `batch` is any pytree of arrays; `batch_axes` gives
+each leaf's logical names, as a matching pytree or one tuple for every leaf (leaves with fewer dimensions take
+its prefix); default: the model's `batch_axes` attribute, else ("batch",) (the leading dimension is the batch,
+the rest replicated).
+
+Parameters (fp32 by default) live in `state.params` as a pure dict laid out by the strategy's parameter rules,
+the optimizer state by its optimizer-state rules (= parameter rules except for ZeRO-1), and the forward pass
+runs under its compute rules. Model state that is not a parameter (BatchNorm's `BatchStat`, dropout's RNG
+counters) lives in `state.model_state` and is updated by each step; PRNG keys are stored as their raw uint32
+data so that checkpoints and `device_put` treat them as plain arrays. Mixed precision: give the model a bf16
+compute dtype; parameters, gradients, the loss and the optimizer stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardkit import batch as batching
+from shardkit import kernels
+from shardkit.batch import Batch, BatchAxes
+from shardkit.errors import ShardkitError
+from shardkit.init import is_key, split_params, state_logical_axes, state_shardings
+from shardkit.mesh import HardwarePreset
+from shardkit.rules import flax_rules, logical_to_spec, use_rules
+from shardkit.strategies import Strategy
+from shardkit.strategies import strategy as get_strategy
+
+LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar
+    params: dict[str, Any]  # pure dict of the nnx.Param values, the structure of nnx.to_pure_dict
+    opt_state: Any
+    model_state: dict[str, Any] = flax.struct.field(default_factory=dict)  # BatchStat, RNG counters / key data
+
+
+def check_alive(tree: Any, what: str) -> None:
+    """A ShardkitError, not a crash in XLA, for arrays a donating step has consumed."""
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree)):
+        raise ShardkitError(
+            f"{what} holds deleted arrays: a train step donates the state it is given, so after "
+            "`state, metrics = step(state, batch)` only the returned state is valid. Keep using the returned one "
+            "(or build the step with donate=False to keep old states alive, at twice the memory)"
+        )
+
+
+def require_one_axis(mesh: Mesh, axis: str, who: str, microbatches: int) -> None:
+    """The checks of a step that runs one `shard_map` over one mesh axis (sdp, hetero): that axis alone, the
+    batch whole."""
+    if microbatches != 1:
+        raise ShardkitError(f"microbatches={microbatches}: {who} takes the batch whole (leave microbatches at 1)")
+    extra = {a: n for a, n in mesh.shape.items() if a != axis and n > 1}
+    if axis not in mesh.shape or extra:
+        raise ShardkitError(
+            f"{who} runs over the mesh axis {axis!r} alone (its devices are the workers); the mesh "
+            f"{dict(mesh.shape)} {'has ' + str(extra) if extra else 'lacks it'}: use e.g. --config.mesh={axis}=8"
+        )
+
+
+def _param_specs(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {
+        jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+
+class TrainStep:
+    """A jitted `(state, batch) -> (state, metrics)` with in/out shardings fixed by the strategy (module doc).
+
+    The construction every step shares: the strategy bound to the mesh, the loss and batch names, the parameter,
+    optimizer-state and model-state shardings. Subclasses implement `step_fn` and may override `setup`."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        mesh: Mesh,
+        strategy: str | Strategy,
+        *,
+        loss_fn: LossFn | None = None,
+        batch_axes: BatchAxes = None,
+        microbatches: int = 1,
+        donate: bool = True,
+    ):
+        if microbatches < 1:
+            raise ShardkitError(f"microbatches={microbatches} must be >= 1")
+        self.strategy = get_strategy(strategy)
+        kernels.check(self.strategy.kernels)
+        self.bound = self.strategy.bind(mesh)
+        self.mesh, self.tx, self.microbatches, self.source_model = mesh, optimizer, microbatches, model
+        self.loss_fn = self._default_loss(model) if loss_fn is None else loss_fn
+        batch_axes = getattr(model, "batch_axes", None) if batch_axes is None else batch_axes
+        self.batch_axes = ("batch",) if batch_axes is None else batch_axes
+        self.graphdef, params, rest = split_params(model)
+        rules = self.bound.param_rules
+        self.param_names = state_logical_axes(params)  # pure dict of each parameter's logical names
+        scopes = self.bound.scopes  # Whale-style per-module rules (Strategy.scopes)
+        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes)
+        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes)
+        self.model_state_shardings = state_shardings(rest, rules, mesh, require=False, scopes=scopes)
+        self.initial_model_state = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
+        self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys
+        abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
+        self.set_param_layout(abs_params)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.opt_shardings = optax.tree_utils.tree_map_params(
+            optimizer,
+            lambda _, s: s,
+            jax.eval_shape(optimizer.init, abs_params),
+            self.update_shardings,
+            transform_non_params=lambda _: self.replicated,
+        )
+        self.state_shardings = TrainState(
+            step=self.replicated, params=self.param_shardings, opt_state=self.opt_shardings,
+            model_state=self.model_state_shardings,
+        )  # fmt: skip
+        self.donate = donate
+        self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
+        self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
+        self.setup()
+
+    def setup(self) -> None:
+        """A subclass's own construction, after the common one (its options: `self.strategy.options`)."""
+
+    @classmethod
+    def configure(cls, strategy: Strategy, options: Mapping[str, Any], **context: Any) -> Strategy:
+        """The strategy with `options` from a run's config (the section named after this step, e.g. `sdp`);
+        `context`: devices, global_batch, preset (the mesh's hardware preset, or None). Default: unchanged."""
+        return strategy
+
+    @staticmethod
+    def _default_loss(model: nnx.Module) -> LossFn:
+        method = getattr(type(model), "loss", None)
+        if not callable(method):
+            raise ShardkitError(
+                f"{type(model).__name__} has no loss(batch) method: pass loss_fn=lambda model, batch: scalar "
+                "(or (scalar, {'metric': value})) to make_train_step"
+            )
+        return method  # GPT.loss(model, batch)
+
+    @property
+    def has_model_state(self) -> bool:
+        return bool(jax.tree.leaves(self.initial_model_state))
+
+    # ----------------------------------------------------------------------------------------------- state
+    def set_param_layout(self, abstract_params: Any) -> None:
+        """The parameter tree (shapes, dtypes) that `state.params` must have: what `check_state` compares."""
+        leaves, self._param_treedef = jax.tree.flatten(abstract_params)
+        self._param_leaf_specs = [(tuple(x.shape), x.dtype) for x in leaves]
+
+    def init_state(self, model: nnx.Module | None = None) -> TrainState:
+        """Parameters and model state from `model` (default: the one given at construction), optimizer state
+        sharded. The step may be built from `sk.abstract_model(...)` (shapes only) to validate, lower or restore
+        a checkpoint before any parameter exists; then pass the real model here.
+        """
+        _, params, rest = split_params(model or self.source_model)
+        params, rest = nnx.to_pure_dict(params), self.unwrap_keys(nnx.to_pure_dict(rest))
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((params, rest))):
+            raise ShardkitError(
+                "this TrainStep was built from an abstract model (shapes only); pass the real model: "
+                "step.init_state(sk.sharded_init(make_model, mesh, strategy))"
+            )
+        check_alive(params, "the model's parameters")
+        # copies (may_alias=False): each step donates the state it is given, so the state must not share buffers
+        # with the user's model, which would be deleted by the first step (issue #15)
+        params = jax.device_put(params, self.param_shardings, may_alias=False)
+        rest = jax.device_put(rest, self.model_state_shardings, may_alias=False)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
+        return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)
+
+    def model(self, params: dict[str, Any] | TrainState, model_state: dict[str, Any] | None = None) -> nnx.Module:
+        """The NNX module holding `params` (or a TrainState's parameters and model state), for evaluation."""
+        if isinstance(params, TrainState):
+            params, model_state = params.params, params.model_state
+        if model_state is None:
+            if self.has_model_state:
+                raise ShardkitError("this model has state besides parameters: pass the TrainState, step.model(state)")
+            model_state = self.initial_model_state
+        return nnx.merge(self.graphdef, params, self.wrap_keys(model_state))
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: the target tree for restoring a checkpoint onto this mesh."""
+        params = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(self.source_model)[1]))
+        rest = jax.eval_shape(self.unwrap_keys, self.initial_model_state)
+        shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(self.tx.init, params), rest)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
+
+    def unwrap_keys(self, tree: Any) -> Any:
+        """Typed PRNG keys -> their raw uint32 data (how the state stores them)."""
+        return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+    def wrap_keys(self, tree: Any) -> Any:
+        """The inverse of `unwrap_keys` for the model-state leaves that are keys."""
+        return jax.tree.map(
+            lambda x, k: jax.random.wrap_key_data(x) if k and not is_key(x) else x, tree, self.key_leaves
+        )
+
+    def check_state(self, state: TrainState) -> None:
+        """The state is this step's model's: for other shapes jit would retrace and train another model."""
+        leaves, treedef = jax.tree.flatten(state.params)
+        if treedef == self._param_treedef and all(
+            x.shape == s and x.dtype == d for x, (s, d) in zip(leaves, self._param_leaf_specs, strict=True)
+        ):
+            return
+        expected = [jax.ShapeDtypeStruct(*spec) for spec in self._param_leaf_specs]
+        want, got = _param_specs(jax.tree.unflatten(self._param_treedef, expected)), _param_specs(state.params)
+        if got != want:
+            bad = [
+                f"{k} is {got.get(k, 'missing')}, the step's model has {w}" for k, w in want.items() if got.get(k) != w
+            ]
+            diff = bad[0] if bad else f"it has parameters the model lacks: {sorted(set(got) - set(want))}"
+            raise ShardkitError(
+                f"this TrainState's parameters are not this step's model's: {diff}. Build the state with "
+                "step.init_state(), or restore a checkpoint onto step.abstract_state()"
+            )
+
+    # ----------------------------------------------------------------------------------------------- batch
+    def batch_names(self, batch: Batch) -> Any:
+        """Each batch leaf's logical names (padded with None to its rank), as a pytree like the batch."""
+        return batching.leaf_names(batch, self.batch_axes)
+
+    def batch_shardings(self, batch: Batch) -> Any:
+        """NamedShardings for every batch leaf under the compute rules (divisibility: `check_batch`)."""
+        return batching.shardings(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """The sharding of a batch leaf of rank >= len(batch_axes) when batch_axes is one tuple (e.g. the GPT's
+        [batch, seq] tokens); for a pytree of batch_axes use `batch_shardings(batch)`."""
+        if not batching.is_names(self.batch_axes):
+            raise ShardkitError("batch_axes is a pytree: use step.batch_shardings(batch) for its shardings")
+        return NamedSharding(self.mesh, logical_to_spec(self.batch_axes, self.bound.compute_rules, self.mesh))
+
+    def check_batch(self, batch: Batch, microbatches: int | None = None) -> None:
+        """The batch fits the mesh and the microbatches (shardkit/batch.py), before XLA sees it."""
+        m = self.microbatches if microbatches is None else microbatches
+        batching.check(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh, m)
+
+    def prepared(self, batch: Batch, microbatches: int | None = None) -> tuple[Any, Any]:
+        """(jit key, shardings) of a checked batch; the check runs once per batch signature, not every step."""
+        m = self.microbatches if microbatches is None else microbatches
+        leaves, treedef = jax.tree.flatten(batch)
+        shapes = tuple(tuple(getattr(x, "shape", ())) for x in leaves)
+        first = (treedef, shapes, m) not in self._checked
+        if first:
+            self.check_batch(batch, m)
+            self._checked[treedef, shapes, m] = self.batch_shardings(batch)
+        # The model's own value checks (the GPT: token ids in [0, vocab)): host arrays every step (cheap), device
+        # arrays on a signature's first batch only (reading them back would stall the asynchronous dispatch).
+        validate = getattr(self.source_model, "validate_batch", None)
+        concrete = all(isinstance(x, np.ndarray | jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves)
+        if validate is not None and concrete and (first or any(isinstance(x, np.ndarray) for x in leaves)):
+            validate(batch)
+        return (treedef, tuple(map(len, shapes))), self._checked[treedef, shapes, m]
+
+    def prepare(self, batch: Batch) -> Batch:
+        """The batch as the compiled step (`lower(...).compile()`) takes it: unchanged here; a step that lays the
+        batch out its own way (hetero's per-device micro-batches) overrides this."""
+        return batch
+
+    # ------------------------------------------------------------------------------------------ compiling
+    def jit(self, key: Any, shardings: Any) -> Any:
+        """`step_fn` (and `eval_fn`) jitted for one batch structure and its shardings, cached under `key`."""
+        if ("step", key) not in self.cache:
+            self.cache["step", key] = jax.jit(
+                self.step_fn,
+                in_shardings=(self.state_shardings, shardings),
+                out_shardings=(self.state_shardings, self.replicated),
+                donate_argnums=(0,) if self.donate else (),
+            )
+            self.cache["eval", key] = jax.jit(
+                self.eval_fn, in_shardings=(self.param_shardings, self.model_state_shardings, shardings)
+            )
+        return self.cache["step", key]
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        if self.donate:
+            check_alive(state, "this TrainState")
+        self.check_state(state)
+        key, shardings = self.prepared(batch)
+        return self.jit(key, shardings)(state, batching.place(batch, shardings))
+
+    def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+        return self.jit(*self.prepared(batch)).lower(state, batch)
+
+    def eval_loss(self, params: dict[str, Any] | TrainState, batch: Batch) -> jax.Array:
+        """The loss in evaluation mode (`model.eval()`: running BatchNorm statistics, no dropout)."""
+        return self.evaluate(params, batch)[0]
+
+    def evaluate(self, state: dict[str, Any] | TrainState, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, metrics) in evaluation mode, for a TrainState (or, for a model without other state, params)."""
+        params, model_state = (state.params, state.model_state) if isinstance(state, TrainState) else (state, None)
+        if model_state is None:
+            if self.has_model_state:
+                raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
+            model_state = self.unwrap_keys(self.initial_model_state)
+        check_alive((params, model_state), "this state")
+        key, shardings = self.prepared(batch, microbatches=1)  # evaluation takes the batch whole
+        self.jit(key, shardings)
+        return self.cache["eval", key](params, model_state, batching.place(batch, shardings))
+
+    # ------------------------------------------------------------------------------------------- the loss
+    @contextlib.contextmanager
+    def tracing(self, rules: dict[str, Any], local: bool = False) -> Iterator[None]:
+        """shardkit's compute rules and kernels, and Flax's logical rules (for nn.with_logical_constraint).
+
+        `local`: inside a `shard_map` manual over every mesh axis (subnetwork data parallelism, hetero), where
+        each device computes on its own shard: every logical name replicated, on the abstract mesh."""
+        if local:
+            with use_rules(jax.sharding.get_abstract_mesh(), dict.fromkeys(rules), kernels=self.strategy.kernels):
+                yield
+            return
+        with use_rules(self.mesh, rules, kernels=self.strategy.kernels, scopes=self.bound.scopes), \
+                flax_rules(self.mesh, rules):  # fmt: skip
+            yield
+
+    def apply(
+        self, params: Any, model_state: Any, batch: Batch, rules: dict[str, Any] | None = None, train: bool = True,
+        local: bool = False,
+    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:  # fmt: skip
+        """loss, (metrics, new model state) of loss_fn on the merged model."""
+        with self.tracing(rules or self.bound.compute_rules, local):
+            model = nnx.merge(self.graphdef, params, self.wrap_keys(model_state))
+            model.train() if train else model.eval()
+            out = self.loss_fn(model, batch)
+            new_state = self.unwrap_keys(nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+        loss, aux = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(aux, dict):
+            raise ShardkitError(f"loss_fn returned {type(aux).__name__} as metrics; return (loss, dict of metrics)")
+        if jnp.shape(loss) != ():
+            raise ShardkitError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}")
+        return loss, (aux, new_state)
+
+    def eval_fn(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(loss, metrics) in evaluation mode: what `evaluate` jits."""
+        loss, (aux, _) = self.apply(params, model_state, batch, train=False)
+        return loss, aux
+
+    def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One training step, traced under jit: what a step class implements."""
+        raise NotImplementedError(f"{type(self).__name__} implements no step_fn(state, batch)")
+
+
+# ------------------------------------------------------------------------------------------------ registry
+STEPS: dict[str, type[TrainStep]] = {}
+_T = TypeVar("_T", bound=type[TrainStep])
+
+
+def register_step(name: str) -> Callable[[_T], _T]:
+    """Class decorator: `Strategy(step=name)` is run by this class (replacing any step of that name)."""
+
+    def register(cls: _T) -> _T:
+        if not (isinstance(cls, type) and issubclass(cls, TrainStep)):
+            raise ShardkitError(f"register_step({name!r}): {cls!r} is not a subclass of sk.TrainStep")
+        STEPS[name] = cls
+        cls.step_name = name
+        return cls
+
+    return register
+
+
+def step_class(name: str) -> type[TrainStep]:
+    """The step class registered as `name`."""
+    if name not in STEPS:
+        raise ShardkitError(
+            f"strategy names step {name!r}, which is not registered; registered steps: {', '.join(sorted(STEPS))} "
+            "(a step registers itself with @sk.register_step(name) when its module is imported)"
+        )
+    return STEPS[name]
+
+
+def make_train_step(
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    strategy: str | Strategy,
+    **options: Any,
+) -> TrainStep:
+    """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`.
+
+    The step class is the one the strategy names (`Strategy.step`; "gspmd" by default, shardkit/train.py);
+    `options` are the keyword arguments of `TrainStep`: loss_fn, batch_axes, microbatches, donate."""
+    chosen = get_strategy(strategy)
+    return step_class(chosen.step)(model, optimizer, mesh, chosen, **options)
+
+
+def configure(
+    strategy: str | Strategy, sections: Mapping[str, Any], *, devices: int, global_batch: int = 0,
+    preset: HardwarePreset | None = None,
+) -> Strategy:  # fmt: skip
+    """The strategy with a run's options applied, looked up by name, no branch per parallelism: the section named
+    after the strategy's step (`sections["sdp"]`) goes to that step class's `configure`, the section named after a
+    kernel of its table (`sections["pipeline"]` for a `pipeline:...` layer stack) to that kernel's `configure`."""
+    strategy = get_strategy(strategy)
+    context = dict(devices=devices, global_batch=global_batch, preset=preset)
+    strategy = step_class(strategy.step).configure(strategy, dict(sections.get(strategy.step) or {}), **context)
+    table = {}
+    for slot, name in strategy.kernels.items():
+        if slot not in kernels.slots():
+            continue
+        kernel = kernels.lookup(slot, name)
+        if kernel.configure is not None and sections.get(kernel.name):
+            table[slot] = kernel.configure(name, dict(sections[kernel.name]))
+    return strategy.replace(kernels=table) if table else strategy
+
+
+__all__ = [
+    "STEPS",
+    "LossFn",
+    "TrainState",
+    "TrainStep",
+    "check_alive",
+    "configure",
+    "make_train_step",
+    "register_step",
+    "require_one_axis",
+    "step_class",
+]
