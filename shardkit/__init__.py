@@ -2,9 +2,10 @@
 
 import sys as _sys
 
-from shardkit import attention, checkpoint, collectives, costmodel, kernels, layers, step, train
+from shardkit import attention, checkpoint, collectives, costmodel, dispatch, kernels, layers, step, train
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
+from shardkit.dispatch import configure, make_train_step, register_step
 from shardkit.errors import ShardkitError
 from shardkit.explain import explain  # the function; the module is shardkit.explain in sys.modules
 from shardkit.init import (
@@ -18,7 +19,7 @@ from shardkit.init import (
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
 from shardkit.parallel import hetero, moe, pipeline, sdp, spatial, tensor3d  # they register themselves
 from shardkit.rules import constrain, logical_to_spec, scope, use_rules
-from shardkit.step import TrainState, TrainStep, configure, make_train_step, register_step
+from shardkit.step import TrainState, TrainStep
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 
 # The explain module was shardkit/inspect.py, which shadowed the standard library's `inspect` for scripts run from
@@ -44,6 +45,7 @@ __all__ = [
     "configure",
     "constrain",
     "costmodel",
+    "dispatch",
     "explain",
     "from_linen",
     "hetero",

@@ -6,16 +6,17 @@
     state, metrics = step(state, batch)       # metrics: loss, grad_norm and whatever loss_fn reports
 
 A strategy names the step that runs it (`Strategy.step`, default "gspmd": shardkit/train.py) and carries that
-step's options (`Strategy.options`). A step is a subclass of `TrainStep` that registers itself next to its
-parallelism (shardkit/parallel/sdp_step.py, hetero_step.py), implements `step_fn` (the function that is jitted)
-and, if it needs to, `setup` (reads its options, after the common construction below) and the methods whose
-layout differs from the GSPMD step's (`init_state`, `abstract_state`, `evaluate`, `prepare`, ...):
+step's options (`Strategy.options`); shardkit/dispatch.py looks it up. A step is a subclass of `TrainStep` that
+registers itself next to its parallelism (shardkit/parallel/sdp_step.py, hetero_step.py), implements `step_fn`
+(the function that is jitted) and, if it needs to, `setup` (reads its options, after the common construction
+below) and the methods whose layout differs from the GSPMD step's (`init_state`, `abstract_state`, `evaluate`,
+`prepare`, ...):
 
     @sk.register_step("my_step")
     class MyStep(sk.TrainStep):
         def step_fn(self, state, batch): ...            # (state, batch) -> (state, metrics), traced once
 
-docs/architecture.md has a worked example. What every step promises:
+What every step promises:
 
 - `step(state, batch) -> (state, metrics)`: one training step; `metrics` has `loss`, `grad_norm` and the loss
   function's own metrics. The step donates `state` (unless built with `donate=False`).
@@ -41,9 +42,10 @@ compute dtype; parameters, gradients, the loss and the optimizer stay fp32.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import flax.struct
 import jax
@@ -58,7 +60,6 @@ from shardkit import kernels
 from shardkit.batch import Batch, BatchAxes
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes, state_shardings
-from shardkit.mesh import HardwarePreset
 from shardkit.rules import flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
@@ -103,11 +104,13 @@ def _param_specs(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
-class TrainStep:
+class TrainStep(abc.ABC):
     """A jitted `(state, batch) -> (state, metrics)` with in/out shardings fixed by the strategy (module doc).
 
     The construction every step shares: the strategy bound to the mesh, the loss and batch names, the parameter,
     optimizer-state and model-state shardings. Subclasses implement `step_fn` and may override `setup`."""
+
+    step_name = ""  # the name it is registered under (shardkit/dispatch.py)
 
     def __init__(
         self,
@@ -158,8 +161,16 @@ class TrainStep:
         self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
         self.setup()
 
-    def setup(self) -> None:
+    def setup(self) -> None:  # noqa: B027  (optional hook: most steps need none)
         """A subclass's own construction, after the common one (its options: `self.strategy.options`)."""
+
+    def options_of(self, kind: type, build: str) -> Any:
+        """`self.strategy.options`, checked to be a `kind` (a ShardkitError naming `build`, how to make one)."""
+        options = self.strategy.options
+        if not isinstance(options, kind):
+            raise ShardkitError(f"strategy {self.strategy.name!r} names the {self.step_name} step but its options "
+                                f"are {options!r}; build it with {build}")  # fmt: skip
+        return options
 
     @classmethod
     def configure(cls, strategy: Strategy, options: Mapping[str, Any], **context: Any) -> Strategy:
@@ -378,83 +389,9 @@ class TrainStep:
         loss, (aux, _) = self.apply(params, model_state, batch, train=False)
         return loss, aux
 
+    @abc.abstractmethod
     def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One training step, traced under jit: what a step class implements."""
-        raise NotImplementedError(f"{type(self).__name__} implements no step_fn(state, batch)")
 
 
-# ------------------------------------------------------------------------------------------------ registry
-STEPS: dict[str, type[TrainStep]] = {}
-_T = TypeVar("_T", bound=type[TrainStep])
-
-
-def register_step(name: str) -> Callable[[_T], _T]:
-    """Class decorator: `Strategy(step=name)` is run by this class (replacing any step of that name)."""
-
-    def register(cls: _T) -> _T:
-        if not (isinstance(cls, type) and issubclass(cls, TrainStep)):
-            raise ShardkitError(f"register_step({name!r}): {cls!r} is not a subclass of sk.TrainStep")
-        STEPS[name] = cls
-        cls.step_name = name
-        return cls
-
-    return register
-
-
-def step_class(name: str) -> type[TrainStep]:
-    """The step class registered as `name`."""
-    if name not in STEPS:
-        raise ShardkitError(
-            f"strategy names step {name!r}, which is not registered; registered steps: {', '.join(sorted(STEPS))} "
-            "(a step registers itself with @sk.register_step(name) when its module is imported)"
-        )
-    return STEPS[name]
-
-
-def make_train_step(
-    model: nnx.Module,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    strategy: str | Strategy,
-    **options: Any,
-) -> TrainStep:
-    """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`.
-
-    The step class is the one the strategy names (`Strategy.step`; "gspmd" by default, shardkit/train.py);
-    `options` are the keyword arguments of `TrainStep`: loss_fn, batch_axes, microbatches, donate."""
-    chosen = get_strategy(strategy)
-    return step_class(chosen.step)(model, optimizer, mesh, chosen, **options)
-
-
-def configure(
-    strategy: str | Strategy, sections: Mapping[str, Any], *, devices: int, global_batch: int = 0,
-    preset: HardwarePreset | None = None,
-) -> Strategy:  # fmt: skip
-    """The strategy with a run's options applied, looked up by name, no branch per parallelism: the section named
-    after the strategy's step (`sections["sdp"]`) goes to that step class's `configure`, the section named after a
-    kernel of its table (`sections["pipeline"]` for a `pipeline:...` layer stack) to that kernel's `configure`."""
-    strategy = get_strategy(strategy)
-    context = dict(devices=devices, global_batch=global_batch, preset=preset)
-    strategy = step_class(strategy.step).configure(strategy, dict(sections.get(strategy.step) or {}), **context)
-    table = {}
-    for slot, name in strategy.kernels.items():
-        if slot not in kernels.slots():
-            continue
-        kernel = kernels.lookup(slot, name)
-        if kernel.configure is not None and sections.get(kernel.name):
-            table[slot] = kernel.configure(name, dict(sections[kernel.name]))
-    return strategy.replace(kernels=table) if table else strategy
-
-
-__all__ = [
-    "STEPS",
-    "LossFn",
-    "TrainState",
-    "TrainStep",
-    "check_alive",
-    "configure",
-    "make_train_step",
-    "register_step",
-    "require_one_axis",
-    "step_class",
-]
+__all__ = ["LossFn", "TrainState", "TrainStep", "check_alive", "require_one_axis"]

@@ -2,8 +2,8 @@
 
 The default step of every strategy (`Strategy.step == "gspmd"`): one `jax.jit` of the whole step with the
 parameter / optimizer-state / batch shardings from the strategy's tables, and the forward pass traced under its
-compute rules, so that GSPMD partitions every op. The interface it implements, and the registry
-`make_train_step` looks the step up in, are shardkit/step.py's; steps of their own live in shardkit/parallel/.
+compute rules, so that GSPMD partitions every op. The interface it implements is shardkit/step.py's, the registry
+`make_train_step` looks it up in shardkit/dispatch.py's; steps of their own live in shardkit/parallel/.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.batch import Batch
 from shardkit.clipping import clip_by_global_norm, global_norm, norm_weights
-from shardkit.step import TrainState, TrainStep, make_train_step, register_step
+from shardkit.dispatch import make_train_step, register_step
+from shardkit.step import TrainState, TrainStep
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ def test_make_train_step_runs_the_step_the_strategy_names():
         with pytest.raises(sk.ShardkitError, match="not registered"):
             sk.make_train_step(model, optax.sgd(0.1), mesh, sk.strategy("dp").replace(step="nope"))
     finally:
-        sk.step.STEPS.pop("toy_registry_check")
+        sk.dispatch.STEPS.pop("toy_registry_check")
 
 
 def test_configure_applies_the_sections_named_after_the_step_and_kernels():

@@ -24,10 +24,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardkit.clipping import global_norm
+from shardkit.dispatch import register_step
 from shardkit.errors import ShardkitError
 from shardkit.parallel.hetero import HeteroConfig, even_split, simulated_step_time, split_batch
 from shardkit.parallel.hetero import strategy as hetero_strategy
-from shardkit.step import TrainState, TrainStep, check_alive, register_step, require_one_axis
+from shardkit.step import TrainState, TrainStep, check_alive, require_one_axis
 
 
 @register_step("hetero")
@@ -66,10 +67,7 @@ class HeteroTrainStep(TrainStep):
         return hetero_strategy(counts, micro, mode=options.get("mode", "loop"), speeds=speeds)
 
     def setup(self) -> None:
-        cfg = self.strategy.options
-        if not isinstance(cfg, HeteroConfig):
-            raise ShardkitError(f"strategy {self.strategy.name!r} names the hetero step but its options are "
-                                f"{cfg!r}; build it with sk.hetero.strategy(counts, microbatch)")  # fmt: skip
+        cfg = self.options_of(HeteroConfig, "sk.hetero.strategy(counts, microbatch)")
         self.cfg, axis, mesh = cfg, cfg.axis, self.mesh
         require_one_axis(mesh, axis, "hetero_dp", self.microbatches)
         if len(cfg.counts) != mesh.shape[axis]:

@@ -359,8 +359,7 @@ def _refill(args: tuple, keep: list[int], given: tuple) -> list[Any]:
 
 
 def configure_name(name: str, options: dict[str, Any]) -> str:
-    """The kernel name for a run's `pipeline` options (schedule, microbatches, virtual_stages; 0 = default):
-    `sk.configure` calls this for a strategy whose layer stack is a pipeline."""
+    """The kernel name for a run's `pipeline` options (schedule, microbatches, virtual_stages; 0 = default)."""
     kind, m = options.get("schedule", "gpipe"), options.get("microbatches", 0)
     v = options.get("virtual_stages", 0)
     return f"pipeline:{kind}" + (f":{m}" if m or v else "") + (f":{v}" if v else "")
@@ -372,10 +371,8 @@ __all__ = ["SCHEDULES", "Schedule", "bubble_formula", "parse", "pipeline_stack",
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Pipeline parallelism (this file's kernel): the stacked `layers` axis of the parameters rests on
-# `stage`, and `layers="pipeline:<schedule>[:<microbatches>[:<virtual stages>]]"` picks the kernel (gpipe |
-# 1f1b | circular; microbatches default to the stage count). Other axes work inside the pipeline through the
-# usual rules.
+# The pp* strategies: the stacked `layers` axis rests on `stage`, `layers="pipeline:<schedule>[:<m>[:<v>]]"` picks
+# the kernel above (m defaults to the stage count); other axes work inside the pipeline through the usual rules.
 
 for _name, _params, _compute, _required, _what in (
     ("pp", {}, {}, ("stage",), "layers over stage only"),

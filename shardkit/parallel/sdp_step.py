@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit import batch as batching
 from shardkit.clipping import global_norm, norm_weights
+from shardkit.dispatch import register_step
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes
 from shardkit.parallel.sdp import (
@@ -40,7 +41,7 @@ from shardkit.parallel.sdp import (
     unpack,
 )
 from shardkit.parallel.sdp import strategy as sdp_strategy
-from shardkit.step import TrainState, TrainStep, check_alive, register_step, require_one_axis
+from shardkit.step import TrainState, TrainStep, check_alive, require_one_axis
 
 
 def _is_split(x: Any) -> bool:
@@ -67,10 +68,7 @@ class SDPTrainStep(TrainStep):
         return sdp_strategy(**options) if options else strategy
 
     def setup(self) -> None:
-        cfg = self.strategy.options
-        if not isinstance(cfg, SDPConfig):
-            raise ShardkitError(f"strategy {self.strategy.name!r} names the sdp step but its options are "
-                                f"{cfg!r}; build it with sk.sdp.strategy(...)")  # fmt: skip
+        cfg = self.options_of(SDPConfig, "sk.sdp.strategy(...)")
         self.cfg, axis, mesh, model = cfg, cfg.axis, self.mesh, self.source_model
         require_one_axis(mesh, axis, "sdp", self.microbatches)
         self.workers = w = mesh.shape[axis]
