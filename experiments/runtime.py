@@ -43,8 +43,9 @@ def target_axes(config: Any, num_devices: int) -> dict[str, int]:
         if preset is None:
             raise sk.ShardkitError("config.mesh is empty and hardware='auto' matched no preset; give --config.mesh")
         return dict(preset.axes)
-    if spec.replace("-", "_").isidentifier():
-        return dict(sk.load_preset(spec).axes)
+    preset = mesh_preset(config)
+    if preset is not None:
+        return dict(preset.axes)
     axes = parse_spec(spec)
     return resolve_axes(axes, num_devices) if -1 in axes.values() else {a: int(n) for a, n in axes.items()}
 
