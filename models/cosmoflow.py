@@ -162,6 +162,16 @@ class CosmoFlow(nnx.Module):
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         return regression_loss(self, batch)
 
+    def validate_batch(self, batch: dict[str, jax.Array]) -> None:
+        """What `regression_loss` reads, before XLA: a floating `volume` [batch, D, H, W, in_channels] and a
+        `target` [batch, num_outputs]."""
+        sk.batch.expect(batch, "CosmoFlow", {"volume": (5, "floating"), "target": (2, "number")})
+        volume, target = tuple(batch["volume"].shape), tuple(batch["target"].shape)
+        if volume[4] != self.cfg.in_channels or target[1] != self.cfg.num_outputs:
+            raise sk.ShardkitError(f"CosmoFlow: batch['volume'] {volume} and batch['target'] {target} must be "
+                                   f"[B, D, H, W, {self.cfg.in_channels}] and [B, {self.cfg.num_outputs}] "
+                                   "(in_channels, num_outputs of the config)")  # fmt: skip
+
 
 def regression_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(mean squared error over batch x parameters, {"mae": mean absolute error}) of `{"volume", "target"}`."""

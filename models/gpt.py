@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import shardkit as sk
@@ -299,13 +298,19 @@ class GPT(nnx.Module):
         return lm_loss(self, batch)
 
     def validate_batch(self, batch: dict[str, jax.Array]) -> None:
-        """Token ids outside [0, vocab_size) would wrap (negative) or read past the embedding (NaN loss) silently
-        inside jit: the train step calls this before XLA (shardkit/train.py)."""
+        """What `lm_loss` reads, checked before XLA (the train step calls this, shardkit/step.py): integer
+        `inputs` and `targets` of one [batch, seq] shape (`positions` / `segment_ids` too where given), and, on
+        concrete arrays, token ids in [0, vocab_size): outside, they would wrap (negative) or read past the
+        embedding (NaN loss) silently inside jit."""
+        seq = (2, "integer")
+        sk.batch.expect(batch, "GPT", {"inputs": seq, "targets": seq}, {"positions": seq, "segment_ids": seq},
+                        same_shape=("inputs", "targets", "positions", "segment_ids"))  # fmt: skip
         for key in ("inputs", "targets"):
-            if key in batch and jnp.issubdtype(batch[key].dtype, jnp.integer) and batch[key].size:
-                lo, hi = (int(f(batch[key])) for f in (np.min, np.max))
-                if lo < 0 or hi >= self.cfg.vocab_size:
-                    raise sk.ShardkitError(
-                        f"batch[{key!r}]: token ids must be in [0, vocab_size={self.cfg.vocab_size}), found "
-                        f"{lo}..{hi}; use a model vocab_size above the data's largest id (or fix the tokenizer)"
-                    )
+            sk.batch.expect_ids(
+                batch,
+                "GPT",
+                key,
+                self.cfg.vocab_size,
+                f"vocab_size={self.cfg.vocab_size}",
+                "use a model vocab_size above the data's largest id (or fix the tokenizer)",
+            )

@@ -8,7 +8,7 @@ and `sk.plan` ask) calls `strategy_comms` and `memory` below. The generic machin
 alpha-beta time per link, AxoNN's fitted model, the planner, and the tensor3d linear's own collectives — stays
 in `shardkit.costmodel`; parameter traffic of any model under any rules table is `shardkit.costmodel_rules`.
 
-Bytes are per device per step, ring volumes (ALGORITHMS.md §1): all-gather / reduce-scatter (p-1)/p·n,
+Bytes are per device per step, ring volumes (docs/algorithms.md §1): all-gather / reduce-scatter (p-1)/p·n,
 all-reduce 2(p-1)/p·n, n the full buffer. `backend="cpu"` models what XLA:CPU compiles: GSPMD's
 reduce-scatters (FSDP gradients, Megatron-SP's g) become a full all-reduce plus a dynamic-slice.
 
@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from shardkit.costmodel import TP3D_ORDER, Comm, _Builder, _merge, tp3d_layer_comms
+from shardkit.costmodel import TP3D_ORDER, Comm, CommBuilder, tp3d_layer_comms
 from shardkit.errors import ShardkitError
 
 
@@ -132,14 +132,14 @@ def strategy_comms(
     psi = num_params(cfg)
     blocks = L * sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
     if strategy == "tp3d":
-        b = _Builder(mesh, TP3D_ORDER, backend)
+        b = CommBuilder(mesh, TP3D_ORDER, backend)
         for name, h1, h2, tr in fc_layers(cfg):
             for _ in range(L):
                 tp3d_layer_comms(b, h1, h2, global_batch * seq_len, tr, nbytes, name, gspmd)
         if gspmd:  # the whole GSPMD train step: embedding, norms, head, cross-entropy, scalars
             gpt_extra_comms(b, cfg, global_batch * seq_len, nbytes, gspmd)
-        return _merge(b.rows)
-    b = _Builder(mesh, ("tensor", "fsdp", "data"), backend)
+        return b.comms()
+    b = CommBuilder(mesh, ("tensor", "fsdp", "data"), backend)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
     act = global_batch // (d * f) * seq_len * e * nbytes
     shard = psi * nbytes / (t * f)
@@ -161,7 +161,7 @@ def strategy_comms(
         b.add("all-gather", "data", shard, 1, "updated parameters")
     else:
         b.add("all-reduce", "data", shard, 1, "gradients over data")
-    return _merge(b.rows)
+    return b.comms()
 
 
 def moe_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4) -> list[Comm]:
@@ -173,10 +173,10 @@ def moe_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, n
     devices = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))  # the batch axes of ep*
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
     buffer = cfg.num_experts * (global_batch // devices) * cap * cfg.d_model * nbytes
-    b = _Builder(mesh, ("expert", "data"), "gpu")
+    b = CommBuilder(mesh, ("expert", "data"), "gpu")
     n = 4 * cfg.num_layers
     b.add("all-to-all", "expert", buffer * n, n, "MoE dispatch / combine, forward and backward")
-    return _merge(b.rows)
+    return b.comms()
 
 
 def moe_divisibility(cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
@@ -274,7 +274,7 @@ def divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: in
 
 
 def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True) -> None:
-    """Adds to builder `b` (costmodel._Builder) the collectives of one GPT step besides the block projections.
+    """Adds to `b` (a shardkit.costmodel.CommBuilder) the collectives of one GPT step besides the block projections.
 
     Each `b.add(kind, axes, n, count)`: n = full buffer bytes summed over the `count` collectives."""
     gx, gy, gz, gd = (b.mesh.get(a, 1) for a in ("col", "row", "depth", "data"))

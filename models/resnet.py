@@ -211,6 +211,17 @@ class ResNet(nnx.Module):
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         return classification_loss(self, batch)
 
+    def validate_batch(self, batch: dict[str, jax.Array]) -> None:
+        """What `classification_loss` reads, before XLA: a floating `image` [batch, height, width, in_channels]
+        and integer `label` [batch] in [0, num_classes) (checked on concrete arrays)."""
+        sk.batch.expect(batch, "ResNet", {"image": (4, "floating"), "label": (1, "integer")})
+        if batch["image"].shape[-1] != self.cfg.in_channels:
+            shape, want = tuple(batch["image"].shape), self.cfg.in_channels
+            raise sk.ShardkitError(f"ResNet: batch['image'] {shape} has {shape[-1]} channels; the model takes "
+                                   f"in_channels={want}")  # fmt: skip
+        sk.batch.expect_ids(batch, "ResNet", "label", self.cfg.num_classes, f"num_classes={self.cfg.num_classes}",
+                            "give the model as many classes as the data has")  # fmt: skip
+
 
 def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(mean cross-entropy in nats, {"accuracy": fraction of argmax == label}) of `{"image", "label"}`."""

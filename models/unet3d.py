@@ -118,6 +118,18 @@ class UNet3D(nnx.Module):
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         return segmentation_loss(self, batch)
 
+    def validate_batch(self, batch: dict[str, jax.Array]) -> None:
+        """What `segmentation_loss` reads, before XLA: a floating `volume` [batch, D, H, W, in_channels] and an
+        integer `label` [batch, D, H, W] of the same volume, in [0, num_classes) (checked on concrete arrays)."""
+        sk.batch.expect(batch, "UNet3D", {"volume": (5, "floating"), "label": (4, "integer")})
+        volume, label = tuple(batch["volume"].shape), tuple(batch["label"].shape)
+        if volume[:4] != label or volume[4] != self.cfg.in_channels:
+            c = self.cfg.in_channels
+            raise sk.ShardkitError(f"UNet3D: batch['volume'] {volume} and batch['label'] {label} must be "
+                                   f"[B, D, H, W, {c}] and [B, D, H, W] (in_channels={c})")  # fmt: skip
+        sk.batch.expect_ids(batch, "UNet3D", "label", self.cfg.num_classes, f"num_classes={self.cfg.num_classes}",
+                            "give the model as many classes as the labels have")  # fmt: skip
+
 
 def segmentation_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(mean voxel cross-entropy, {"accuracy": voxel accuracy, "dice": mean Dice of the foreground classes})."""

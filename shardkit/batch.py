@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from shardkit.errors import ShardkitError
@@ -101,4 +102,53 @@ def place(batch: Batch, shardings: Any) -> Batch:
     return jax.tree.map(moved, batch, shardings)
 
 
-__all__ = ["Batch", "BatchAxes", "check", "is_names", "leaf_names", "place", "shardings"]
+#: dtype kinds `expect` tells apart, as numpy names them
+_KINDS = {"integer": "an integer", "floating": "a floating", "number": "a numeric"}
+
+
+def expect(
+    batch: Batch, model: str, entries: dict[str, tuple[int, str]],
+    optional: dict[str, tuple[int, str]] | None = None, same_shape: tuple[str, ...] = (),
+) -> None:  # fmt: skip
+    """A model's own check of the batch its loss reads, before XLA sees it (`validate_batch` hooks use this).
+
+    `entries` / `optional`: key -> (rank, dtype kind: "integer", "floating" or "number"); a missing required key,
+    another rank or dtype kind is a ShardkitError naming the key, what was found and what the model reads.
+    `same_shape`: keys (those present) that must have one shape, e.g. a language model's inputs and targets.
+    Works on arrays and on abstract `jax.ShapeDtypeStruct`s alike (no values are read).
+    """
+    if not isinstance(batch, dict):
+        raise ShardkitError(
+            f"{model}: the batch must be a dict with keys {sorted(entries)}, got {type(batch).__name__}"
+        )
+    wants = ", ".join(f"{k!r}: {_KINDS[kind]} [{rank}-D] array" for k, (rank, kind) in entries.items())
+    missing = [k for k in entries if k not in batch]
+    if missing:
+        raise ShardkitError(f"{model}: the batch has no {missing[0]!r} (keys: {sorted(batch)}); its loss reads {wants}")
+    for key, (rank, kind) in {**entries, **{k: v for k, v in (optional or {}).items() if k in batch}}.items():
+        x = batch[key]
+        shape, dtype = tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)
+        if len(shape) != rank:
+            raise ShardkitError(f"{model}: batch[{key!r}] has shape {shape} ({len(shape)}-D); it must be {rank}-D")
+        if dtype is None or not jax.numpy.issubdtype(dtype, getattr(jax.numpy, kind)):
+            raise ShardkitError(f"{model}: batch[{key!r}] has dtype {dtype}; it must be {_KINDS[kind]} dtype "
+                                f"(e.g. {'int32' if kind == 'integer' else 'float32'})")  # fmt: skip
+    present = [k for k in same_shape if k in batch]
+    shapes = {k: tuple(batch[k].shape) for k in present}
+    if len(set(shapes.values())) > 1:
+        raise ShardkitError(f"{model}: batch entries {present} must have one shape, found {shapes}")
+
+
+def expect_ids(batch: Batch, model: str, key: str, limit: int, what: str, fix: str) -> None:
+    """Integer ids in `batch[key]` lie in [0, limit) (`what` names the limit, e.g. "vocab_size=384"): outside, a
+    gather or a cross-entropy reads past its table silently inside jit. Only concrete arrays are read (device
+    arrays are read back, so the train step calls this on a batch signature's first batch only)."""
+    x = batch.get(key) if isinstance(batch, dict) else None
+    if not isinstance(x, np.ndarray | jax.Array) or isinstance(x, jax.core.Tracer) or not x.size:
+        return
+    lo, hi = int(np.min(x)), int(np.max(x))
+    if lo < 0 or hi >= limit:
+        raise ShardkitError(f"{model}: batch[{key!r}] must be in [0, {what}), found {lo}..{hi}; {fix}")
+
+
+__all__ = ["Batch", "BatchAxes", "check", "expect", "expect_ids", "is_names", "leaf_names", "place", "shardings"]

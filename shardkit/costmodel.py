@@ -8,10 +8,12 @@ come from the model config's hook, `model_cfg.cost_model(strategy, mesh, batch_s
 (comms, memory, source) | None` (models/gpt_cost.py for the GPT; `model_cfg.indivisible(strategy, mesh,
 global_batch) -> reason` drops plans whose shapes do not divide). This module owns the rest: the ring volumes,
 the time of a collective on a preset's links, AxoNN's fitted model, the AxoNN 3D linear's own collectives
-(`tp3d_layer_comms`), the candidate meshes and the ranking. For any model's parameter traffic under any rules
+(`tp3d_layer_comms`), the candidate meshes (every power-of-two mesh over the axes a strategy's tables use) and
+the ranking; a hook writes its rows with the public `CommBuilder`, and `register_plan_hook` refines every plan
+(the heterogeneous balance, shardkit/parallel/hetero.py). For any model's parameter traffic under any rules
 table, see `shardkit.costmodel_rules`.
 
-Bytes are per device per step, ring volumes (ALGORITHMS.md §1; what `shardkit.hlo` counts from compiled HLO):
+Bytes are per device per step, ring volumes (docs/algorithms.md §1; what `shardkit.hlo` counts from compiled HLO):
 all-gather / reduce-scatter (p-1)/p·n, all-reduce 2(p-1)/p·n, n the full buffer. Time is alpha-beta per
 collective, `count·steps·α + bytes/bandwidth` (steps: p-1, all-reduce 2(p-1)), with the link of each mesh axis
 chosen by nesting: an axis whose group, times the sizes of the axes nested inside it, fits in one node uses
@@ -32,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from shardkit.errors import ShardkitError
@@ -68,7 +70,7 @@ class Plan:
     fits: bool
     reason: str = ""
     #: heterogeneous presets (meshes/*.toml with [[groups]]): predicted compute time per step, even vs balanced
-    #: (shardkit/parallel/hetero.py `balance`); None on uniform hardware
+    #: (attached by a plan hook: shardkit/parallel/hetero.py `plan_on_groups`); None on uniform hardware
     hetero: Any = None
 
     @property
@@ -88,7 +90,7 @@ class Plan:
 
 
 def ring_factor(kind: str, p: int) -> float:
-    """Bytes sent per device as a fraction of the full buffer n (ALGORITHMS.md §1)."""
+    """Bytes sent per device as a fraction of the full buffer n (docs/algorithms.md §1)."""
     if p <= 1:
         return 0.0
     return {"all-reduce": 2 * (p - 1) / p, "collective-permute": 1.0}.get(kind, (p - 1) / p)
@@ -98,8 +100,15 @@ def _steps(kind: str, p: int) -> int:
     return {"all-reduce": 2 * (p - 1), "collective-permute": 1}.get(kind, p - 1)
 
 
-class _Builder:
-    """Accumulates Comm rows; skips axes of size 1; CPU turns GSPMD reduce-scatters into all-reduces."""
+class CommBuilder:
+    """The public builder a model's cost hook writes its collectives with: `add` one row per collective (axes of
+    size 1 skipped; on the CPU backend a GSPMD reduce-scatter becomes the all-reduce XLA:CPU compiles), then
+    `comms()` the rows merged per (kind, axis), what `sk.explain` compares with the compiled HLO.
+
+        b = sk.costmodel.CommBuilder(mesh, ("tensor", "fsdp", "data"), backend)   # innermost axis first
+        b.add("all-reduce", "data", grad_bytes, 1, "gradients")
+        rows = b.comms()
+    """
 
     def __init__(self, mesh: dict[str, int], order: Sequence[str], backend: str):
         self.mesh, self.order, self.backend, self.rows = mesh, list(order), backend, []
@@ -118,11 +127,15 @@ class _Builder:
         inner = math.prod(self.mesh.get(a, 1) for a in self.order[:i])
         self.rows.append(Comm(kind, axis, p, inner, count, ring_factor(kind, p) * n, what))
 
+    def comms(self) -> list[Comm]:
+        """The rows added so far, merged per (kind, axis) (counts and bytes summed)."""
+        return merge_comms(self.rows)
+
 
 def tp3d_layer_comms(
-    b: _Builder, h1: int, h2: int, tokens: int, transpose: bool, nbytes: int, what: str, gspmd: bool = False
+    b: CommBuilder, h1: int, h2: int, tokens: int, transpose: bool, nbytes: int, what: str, gspmd: bool = False
 ) -> None:
-    """One `tensor3d.linear` fwd + bwd (ALGORITHMS.md §5): AR of y over G_in, AR of dx over G_out, AG / AG / RS
+    """One `tensor3d.linear` fwd + bwd (docs/algorithms.md §5): AR of y over G_in, AR of dx over G_out, AG / AG / RS
     of the weight block over depth, AR of the weight shard's gradient over data. `tokens` = global m."""
     gx, gy, gz, gd = (b.mesh.get(a, 1) for a in TP3D_ORDER)
     (ain, gin), (aout, gout) = (("row", gy), ("col", gx)) if transpose else (("col", gx), ("row", gy))
@@ -138,7 +151,8 @@ def tp3d_layer_comms(
     b.add("all-reduce", "data", block / gz, 1, f"{what}: dW shard AR over data")
 
 
-def _merge(rows: Iterable[Comm]) -> list[Comm]:
+def merge_comms(rows: Iterable[Comm]) -> list[Comm]:
+    """Rows of the same (kind, axis) summed into one: counts and bytes added, the first row's description kept."""
     out: dict[tuple[str, str], Comm] = {}
     for r in rows:
         k = (r.kind, r.axis)
@@ -189,28 +203,42 @@ def _pow2(n: int) -> list[int]:
 
 
 def candidates(devices: int, strategies: Sequence[str]) -> list[tuple[str, dict[str, int]]]:
-    """Every power-of-two mesh for each strategy: tp3d over all (G_x, G_y, G_z, G_d) with product `devices`."""
+    """Every power-of-two mesh of `devices` over the mesh axes each strategy's tables use, each of its required
+    axes of size > 1 (`Strategy.required_axes`): dp -> data=8; fsdp -> data x fsdp (FSDP and hybrid FSDP);
+    tp3d -> every (data, depth, row, col). Read from the registered strategy, never its name."""
+    from shardkit.strategies import strategy  # strategies imports nothing from here
+
     out: list[tuple[str, dict[str, int]]] = []
-    for s in strategies:
-        if s == "tp3d":
-            for gx, gy, gz in itertools.product(_pow2(devices), repeat=3):
-                if devices % (gx * gy * gz) == 0:
-                    out.append((s, {"data": devices // (gx * gy * gz), "depth": gz, "row": gy, "col": gx}))
-        elif s in ("tp", "tp_sp"):
-            out += [(s, {"data": devices // t, "tensor": t}) for t in _pow2(devices) if t > 1]
-        elif s in ("ep", "ep_gspmd"):  # experts over `expert`, tokens over data x expert
-            out += [(s, {"data": devices // x, "expert": x}) for x in _pow2(devices) if x > 1]
-        elif s in ("dp", "fsdp"):
-            out.append((s, {"data" if s == "dp" else "fsdp": devices}))
-        elif s.startswith("spatial"):  # depth / height / width over space / space_h / space_w, batch over data
-            for a, b, c in itertools.product(_pow2(devices), repeat=3):
-                if a > 1 and devices % (a * b * c) == 0 and (s.startswith("spatial_dp") or a * b * c == devices):
-                    out.append((s, {"data": devices // (a * b * c), "space": a, "space_h": b, "space_w": c}))
-        else:
-            raise ShardkitError(
-                f"plan: unknown strategy {s!r}; choose from dp, fsdp, tp, tp_sp, tp3d, ep, spatial[_dp][_halo]"
-            )
+    for name in strategies:
+        s = strategy(name)  # a ShardkitError naming the registered ones if it is unknown
+        axes = sorted(s.mesh_axes() | set(s.required_axes), key=_axis_order)
+        if not axes:
+            raise ShardkitError(f"plan: strategy {name!r} shards over no mesh axis; nothing to plan")
+        for sizes in itertools.product(_pow2(devices), repeat=len(axes)):
+            mesh = dict(zip(axes, sizes, strict=True))
+            if math.prod(sizes) == devices and all(mesh[a] > 1 for a in s.required_axes):
+                out.append((name, mesh))
     return out
+
+
+def _axis_order(axis: str) -> tuple[int, str]:
+    """The order candidate meshes list their axes in (data-like first, as the presets write them)."""
+    known = ("data", "fsdp", "expert", "tensor", "stage", "seq", "seq_u", "seq_r", "space", "space_h", "space_w",
+             "depth", "row", "col")  # fmt: skip
+    return (known.index(axis) if axis in known else len(known), axis)
+
+
+#: Refinements of every plan on presets with device groups (`register_plan_hook`): (plan, model config, hardware,
+#: global batch, seq_len, memory fraction) -> the plan, e.g. with a heterogeneous cluster's balanced batch attached.
+PLAN_HOOKS: list[Callable[..., Plan]] = []
+
+
+def register_plan_hook(fn: Callable[..., Plan]) -> Callable[..., Plan]:
+    """Adds `fn(plan, model_cfg, hw, global_batch, seq_len, memory_fraction) -> Plan` to every `plan()` call's
+    refinements (shardkit/parallel/hetero.py adds the balanced batch on heterogeneous presets)."""
+    if fn not in PLAN_HOOKS:
+        PLAN_HOOKS.append(fn)
+    return fn
 
 
 def plan(
@@ -260,33 +288,10 @@ def plan(
         cap = memory_fraction * hw.hbm_bytes
         reason = "" if mem["total"] <= cap else f"needs {mem['total'] / 2**30:.1f} GiB > {cap / 2**30:.1f} GiB usable"
         plans.append(Plan(s, mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason))
-    if hw.groups and hasattr(model_cfg, "flops_per_token" if seq_len else "flops_per_example"):
-        plans = [_balanced(p, model_cfg, hw, global_batch, seq_len, memory_fraction) for p in plans]
+    for refine in PLAN_HOOKS:
+        plans = [refine(p, model_cfg, hw, global_batch, seq_len, memory_fraction) for p in plans]
     plans.sort(key=lambda p: (not p.fits, p.comm_time_s))
     return plans if include_rejected else [p for p in plans if p.fits]
-
-
-def _balanced(p: Plan, model_cfg: Any, hw: HardwarePreset, batch: int, seq_len: int | None, frac: float) -> Plan:
-    """A dp plan on a heterogeneous preset with its even vs balanced compute time (and the pipeline's) attached."""
-    from shardkit.parallel import hetero
-
-    if p.strategy != "dp" or len(hw.device_speeds()) != math.prod(p.mesh.values()):
-        return p
-    fpe = model_cfg.flops_per_token(seq_len) * seq_len if seq_len else model_cfg.flops_per_example()
-    per_device_batch = batch / math.prod(p.mesh.values())
-    state = p.memory["params"] + p.memory["grads"] + p.memory["optimizer"]
-    try:
-        b = hetero.balance(
-            hw.device_speeds(), [frac * m for m in hw.device_memory()], batch, fpe, hw.peak_flops,
-            layers=int(getattr(model_cfg, "num_layers", 0)), state_bytes=state,
-            bytes_per_example=p.memory.get("activations", 0.0) / per_device_batch,
-        )  # fmt: skip
-    except ShardkitError as e:  # the devices' memory cannot hold the batch, however it is split
-        return dataclasses.replace(p, fits=False, reason=f"hetero: {e}")
-    note = (f"hetero: dp even {b.dp_even_s * 1e3:.1f} ms vs balanced {b.dp_balanced_s * 1e3:.1f} ms compute "
-            f"(x{b.dp_even_s / b.dp_balanced_s:.2f}, counts {list(b.counts)}); pipeline min-max "
-            f"{b.pp_balanced_s * 1e3:.1f} ms; best: {b.best} (predicted)")  # fmt: skip
-    return dataclasses.replace(p, hetero=b, reason=(p.reason + "; " if p.reason else "") + note)
 
 
 def format_plans(plans: Sequence[Plan]) -> str:
@@ -301,4 +306,5 @@ def format_plans(plans: Sequence[Plan]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Comm", "Plan", "candidates", "comm_time", "format_plans", "plan", "ring_factor", "tp3d_layer_comms"]
+__all__ = ["PLAN_HOOKS", "Comm", "CommBuilder", "Plan", "candidates", "comm_time", "format_plans", "merge_comms",
+           "plan", "register_plan_hook", "ring_factor", "tp3d_layer_comms"]  # fmt: skip

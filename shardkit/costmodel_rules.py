@@ -7,18 +7,18 @@ the mesh axes the batch is split over (B = the compute rule of `batch`; the data
 sequence over `seq`, reduce gradients in an all-reduce of their own, as XLA emits it). A layer-stack kernel
 other than the scan (a pipeline) uses the stacked parameters where they rest: their `layers` axes count as C.
 Checked against the compiled HLO (tests/test_explain.py; `python -m experiments.explain`): exact per row for
-the GPT under a registered fsdp_mlp, sp_zigzag (data, seq) and pp_dp (data). Per parameter of n bytes:
+the GPT under a registered fsdp_mlp, cp_zigzag (data, seq) and pp_dp (data). Per parameter of n bytes:
 
 - forward: all-gather over S - C of the n/|C| compute shard (ZeRO-3's gather); parameters with a `layers`
   dimension are gathered again in the backward (a scanned stack does not keep gathered weights as residuals).
   XLA may re-gather other parameters in the backward too: it does for every convolution kernel of
   models/resnet.py under fsdp (compiled all-gathers 2x the prediction), not for the GPT's embedding and head;
 - backward: its gradient, a partial sum over the batch shards, is reduce-scattered over (B ∩ O) - C (ZeRO's
-  reduce-scatter; on XLA:CPU an all-reduce of the whole buffer, see JAX_NOTES.md) and all-reduced over the
+  reduce-scatter; on XLA:CPU an all-reduce of the whole buffer, see docs/jax_pitfalls.md §3) and all-reduced over the
   rest of B - C (data parallelism);
 - update: all-gather over O - S when the optimizer state is sharded finer than the parameters (ZeRO-1).
 
-Bytes are ring volumes per device (ALGORITHMS.md §1), counts are one per (kind, axes): XLA combines the
+Bytes are ring volumes per device (docs/algorithms.md §1), counts are one per (kind, axes): XLA combines the
 per-parameter collectives. Activation collectives (Megatron's all-reduces, ring attention's permutes, the halo
 exchange of a spatial convolution) depend on the model's computation, not on its parameters: they come from a
 model-side hook (`explain` asks the model config's `cost_model`) or are reported as not modelled.
@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from shardkit.costmodel import Comm, _Builder, _merge
+from shardkit.costmodel import Comm, CommBuilder
 from shardkit.rules import logical_to_spec
 
 
@@ -61,7 +61,7 @@ def _data_axes(step: Any) -> list[set[str]]:
 def state_comms(step: Any, backend: str) -> list[Comm]:
     """The parameter traffic of one train step of `step` (a TrainStep), by the rules (module docstring)."""
     mesh = dict(step.mesh.shape)
-    b = _Builder(mesh, list(step.mesh.axis_names)[::-1], backend)
+    b = CommBuilder(mesh, list(step.mesh.axis_names)[::-1], backend)
     rules = step.bound.compute_rules
     groups = _data_axes(step)
     batch = (
@@ -97,7 +97,7 @@ def state_comms(step: Any, backend: str) -> list[Comm]:
                 b.add("all-reduce", order(g - use), shard / _deg(rs, mesh), 0, "gradients over a split data dim")
         if upd - rest:
             b.add("all-gather", order(upd - rest), full / _deg(rest, mesh), 0, "updated parameters, optimizer shards")
-    return [Comm(**{**c.__dict__, "count": 1}) for c in _merge(b.rows)]
+    return [Comm(**{**c.__dict__, "count": 1}) for c in b.comms()]
 
 
 def state_memory(step: Any, state: Any) -> dict[str, float]:

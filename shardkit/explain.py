@@ -28,8 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit import costmodel, costmodel_rules, hlo
-from shardkit.parallel import spatial
+from shardkit import costmodel, costmodel_rules, hlo, kernels
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
@@ -231,7 +230,7 @@ def explain(
     without one, the prediction is what the strategy's rules tables imply for the parameters.
     `target_mesh`: the plan's mesh when `step.mesh` is a scaled-down stand-in; adds SCALED figures.
     """
-    with spatial.recording() as exchanges:  # halo kernels report their exchanges while traced
+    with kernels.recording() as traced:  # kernels that issue their own collectives report them while traced
         compiled = step.lower(state, batch).compile()
     mesh = step.mesh
     sizes = dict(mesh.shape)
@@ -260,16 +259,17 @@ def explain(
         pred = predict_from_rules(step, state, backend)
         notes.append(f"no cost model of {type(getattr(step, 'source_model', None)).__name__}'s activations for "
                      f"{step.strategy.name}: rows predicted '-' are not modelled")  # fmt: skip
-    if exchanges and not any(k == "collective-permute" for k, _ in pred[0]):
-        # explicit spatial halos the model's hook does not predict: each forward permute and, where the input is
-        # differentiated, its transpose
+    unpredicted = [t for t in traced if not any(k == t.collective for k, _ in pred[0])]
+    if unpredicted:
+        # collectives the kernels issue themselves (spatial halos, ...) that the model's hook does not predict:
+        # each forward collective and, where the kernel's input is differentiated, its transpose
         comms = dict(pred[0])
-        for e in exchanges:
-            for axis, b in e.sends:
-                n, total = comms.get(("collective-permute", axis), (0, 0.0))
-                comms["collective-permute", axis] = (n + 1 + e.backward, total + (1 + e.backward) * b)
-        pred = (comms, pred[1], f"{pred[2]}; halo permutes from the {len(exchanges)} halo conv / pool layers traced "
-                                f"(shardkit.parallel.spatial.halo_bytes)")  # fmt: skip
+        for t in unpredicted:
+            for axis, b in t.sends:
+                n, total = comms.get((t.collective, axis), (0, 0.0))
+                comms[t.collective, axis] = (n + 1 + t.backward, total + (1 + t.backward) * b)
+        sources = ", ".join(sorted({t.source for t in unpredicted}))
+        pred = (comms, pred[1], f"{pred[2]}; {len(unpredicted)} kernel calls' own collectives, as traced ({sources})")
     report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes)
     report.predicted_comms, report.predicted_memory, report.prediction_source = pred
     if target_mesh:

@@ -3,7 +3,7 @@
 A model calls a slot's entry point (`sk.attention.attend`, `sk.layers.apply_stack`, ...) and the strategy's
 `kernels` table says which implementation runs there, e.g.
 
-    sk.strategy("sp_zigzag").kernels == {"attention": "ring:zigzag", "layers": "scan"}
+    sk.strategy("cp_zigzag").kernels == {"attention": "ring:zigzag", "layers": "scan"}
 
 A kernel is registered once under `(slot, name)`; a name may carry options after a colon ("pipeline:1f1b:8"),
 looked up by the longest registered prefix. A kernel that needs the data in a particular layout (ring
@@ -14,8 +14,10 @@ attention's zigzag / striped permutation of the sequence) declares it with `layo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from jax.sharding import Mesh
@@ -109,4 +111,48 @@ def batch_layout(strategy: Any, mesh: Mesh) -> Layout:
     return found[0][0] if found else ("contiguous", 1)
 
 
-__all__ = ["DEFAULTS", "Kernel", "Layout", "active", "available", "batch_layout", "check", "lookup", "register"]
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """One kernel call's explicit collectives, reported while it is traced (what GSPMD's tables cannot predict)."""
+
+    slot: str
+    layer: str  # the layer's name
+    collective: str  # the HLO kind its forward issues, e.g. "collective-permute"
+    sends: tuple[tuple[str, int], ...]  # (mesh axis, bytes sent per device), one entry per collective, forward
+    backward: bool  # the transposed collectives run too (the kernel's input is differentiated)
+    source: str = ""  # the function that computes `sends`, for the reader of a prediction
+    detail: Any = None  # the kernel's own record (a spatial halo exchange's plan, ...)
+
+
+_TRACED: contextvars.ContextVar[list[Traced] | None] = contextvars.ContextVar("shardkit_traced", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Traced]]:
+    """Collects a `Traced` for every kernel call that reports its collectives while traced in this block.
+
+    with sk.kernels.recording() as calls:
+        step.lower(state, batch)
+    """
+    found: list[Traced] = []
+    token = _TRACED.set(found)
+    try:
+        yield found
+    finally:
+        _TRACED.reset(token)
+
+
+def is_recording() -> bool:
+    """Whether a `recording()` block is collecting (a kernel skips computing its report otherwise)."""
+    return _TRACED.get() is not None
+
+
+def record(call: Traced) -> None:
+    """Reports one kernel call to the enclosing `recording()` blocks' list (nothing outside one)."""
+    found = _TRACED.get()
+    if found is not None:
+        found.append(call)
+
+
+__all__ = ["DEFAULTS", "Kernel", "Layout", "Traced", "active", "available", "batch_layout", "check", "is_recording",
+           "lookup", "record", "recording", "register"]  # fmt: skip

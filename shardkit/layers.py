@@ -89,113 +89,12 @@ def apply_stack(block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat
 #
 # with `VOLUME = ("batch", "depth", "height", "width", "channels")` the activation's logical names, and the
 # strategy's `kernels` table picks the implementation: "xla" (default: one `lax` op, sharded by GSPMD from the
-# rules, which inserts the halos itself) or "halo" (shardkit/parallel/spatial.py: explicit ppermute halo exchange).
-# Both check the split against the same constraints first, so a bad split is an error naming the layer.
+# rules, which inserts the halos itself) or "halo" (explicit ppermute halo exchange). Both kernels live and register
+# themselves in shardkit/parallel/spatial.py and check the split against the same constraints first, so a bad split
+# is an error naming the layer.
 DEFAULTS = kernels.DEFAULTS
 DEFAULTS.setdefault("conv", "xla")
 DEFAULTS.setdefault("pool", "xla")
-
-
-def _mesh_axes(context: Any, axes: Sequence[str | None], name: str) -> tuple[tuple[str | None, ...], tuple[str, ...]]:
-    """(mesh axis per spatial dimension, batch mesh axes) of an activation named `axes` = (batch, *spatial,
-    channels) under the active compute rules; a spatial dimension split over several mesh axes is an error."""
-    resolve = lambda logical: tuple(a for a in (context.rules.get(logical) or ()) if a in context.mesh.shape)
-    spatial = []
-    for logical in axes[1:-1]:
-        found = resolve(logical) if logical else ()
-        if len(found) > 1:
-            raise ShardkitError(
-                f"{name}: {logical!r} maps to mesh axes {found}; a spatial dimension splits over one mesh axis "
-                "(e.g. space / space_h / space_w)"
-            )
-        spatial.append(found[0] if found else None)
-    return tuple(spatial), resolve(axes[0]) if axes[0] else ()
-
-
-def _split_plan(x: jax.Array, window: Any, strides: Any, dilation: Any, padding: Any, axes: Any, name: str,
-                context: Any, op: str) -> Any:  # fmt: skip
-    """The checked split of a conv / pool (shardkit/parallel/spatial.py's constraints), None if nothing is split."""
-    from shardkit.parallel import spatial
-
-    if context is None:
-        return None
-    spatial_axes, _ = _mesh_axes(context, axes, name)
-    if not any(spatial_axes):
-        return None
-    return spatial.plan_layer(name, x.shape, window, strides, dilation, padding, spatial_axes, context.mesh, op=op)
-
-
-def xla_conv_kernel(x: jax.Array, w: jax.Array, *, strides: Any, padding: Any, rhs_dilation: Any,
-                    feature_group_count: int, precision: Any, axes: Any, name: str, context: Any,
-                    **more: Any) -> jax.Array:  # fmt: skip
-    """The conv as one `lax.conv_general_dilated`; GSPMD partitions it (and inserts halos) from the rules."""
-    nsp = x.ndim - 2
-    _split_plan(x, w.shape[:nsp], strides, rhs_dilation or 1, padding, axes, name, context, "conv")
-    spatial = "DHW"[3 - nsp :]
-    return jax.lax.conv_general_dilated(
-        x, w, strides, padding, rhs_dilation=rhs_dilation, dimension_numbers=(f"N{spatial}C", f"{spatial}IO",
-        f"N{spatial}C"), feature_group_count=feature_group_count, precision=precision, **more,
-    )  # fmt: skip
-
-
-def xla_pool_kernel(x: jax.Array, *, window: Any, strides: Any, padding: Any, reduce: str, axes: Any, name: str,
-                    context: Any) -> jax.Array:  # fmt: skip
-    """Pooling as one `lax.reduce_window`, partitioned by GSPMD. Refuses a *max* pool with overlapping windows on
-    a split dimension: XLA:CPU computes its gradient wrong under GSPMD (JAX_NOTES); the halo kernel is exact."""
-    from shardkit.parallel import spatial
-
-    plan = _split_plan(x, window, strides, 1, padding, axes, name, context, f"{reduce} pool")
-    if plan is not None and reduce == "max":
-        bad = [d for d, (n, k, s) in enumerate(zip(plan.degrees, plan.window, plan.strides, strict=True))
-               if n > 1 and k > s]  # fmt: skip
-        if bad:
-            raise ShardkitError(
-                f"{name}: a max pool with overlapping windows (window {plan.window}, stride {plan.strides}) on split "
-                f"spatial dim {bad[0]}: GSPMD's gradient of it is wrong on XLA:CPU (jax 0.10); use the halo kernel "
-                "(kernels={'conv': 'halo', 'pool': 'halo'}) or non-overlapping windows"
-            )
-    pads = spatial.resolve_padding(padding, x.shape[1:-1], window, strides, (1,) * len(window))
-    return spatial._reduce_window(x, window, strides, pads, reduce)
-
-
-def halo_conv_kernel(x: jax.Array, w: jax.Array, *, strides: Any, padding: Any, rhs_dilation: Any,
-                     feature_group_count: int, precision: Any, axes: Any, name: str, context: Any,
-                     **more: Any) -> jax.Array:  # fmt: skip
-    """`sk.spatial.conv` over the mesh axes the rules give depth / height / width (xla_conv_kernel if none)."""
-    from shardkit.parallel import spatial
-
-    spatial_axes, batch = _mesh_axes(context, axes, name) if context is not None else ((), ())
-    if not any(spatial_axes):
-        return xla_conv_kernel(x, w, strides=strides, padding=padding, rhs_dilation=rhs_dilation,
-                               feature_group_count=feature_group_count, precision=precision, axes=axes, name=name,
-                               context=context, **more)  # fmt: skip
-    if axes[-1] and context.rules.get(axes[-1]):
-        raise ShardkitError(
-            f"{name}: the halo conv keeps channels whole, but {axes[-1]!r} maps to {context.rules[axes[-1]]}; "
-            "replicate it in the compute rules, or use the GSPMD conv kernel (kernels={'conv': 'xla'})"
-        )
-    return spatial.conv(x, w, mesh=context.mesh, spatial_axes=spatial_axes, strides=strides, padding=padding,
-                        rhs_dilation=rhs_dilation, batch_axes=batch, feature_group_count=feature_group_count,
-                        precision=precision, name=name)  # fmt: skip
-
-
-def halo_pool_kernel(x: jax.Array, *, window: Any, strides: Any, padding: Any, reduce: str, axes: Any, name: str,
-                     context: Any) -> jax.Array:  # fmt: skip
-    """`sk.spatial.pool` over the mesh axes the rules give depth / height / width (one reduce_window if none)."""
-    from shardkit.parallel import spatial
-
-    spatial_axes, batch = _mesh_axes(context, axes, name) if context is not None else ((), ())
-    if not any(spatial_axes):
-        return xla_pool_kernel(x, window=window, strides=strides, padding=padding, reduce=reduce, axes=axes,
-                               name=name, context=context)  # fmt: skip
-    return spatial.pool(x, window=window, strides=strides, mesh=context.mesh, spatial_axes=spatial_axes,
-                        reduce=reduce, padding=padding, batch_axes=batch, name=name)  # fmt: skip
-
-
-kernels.register("conv", "xla", xla_conv_kernel, description="one lax conv, partitioned by GSPMD")
-kernels.register("pool", "xla", xla_pool_kernel, description="one lax.reduce_window, partitioned by GSPMD")
-kernels.register("conv", "halo", halo_conv_kernel, description="explicit halo exchange (ppermute) + local conv")
-kernels.register("pool", "halo", halo_pool_kernel, description="explicit halo exchange (ppermute) + local pool")
 
 
 @dataclasses.dataclass(frozen=True)

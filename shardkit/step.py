@@ -298,11 +298,11 @@ class TrainStep(abc.ABC):
         if first:
             self.check_batch(batch, m)
             self._checked[treedef, shapes, m] = self.batch_shardings(batch)
-        # The model's own value checks (the GPT: token ids in [0, vocab)): host arrays every step (cheap), device
-        # arrays on a signature's first batch only (reading them back would stall the asynchronous dispatch).
+        # The model's own checks (`validate_batch`: the keys, ranks and dtypes its loss reads, on any batch,
+        # abstract ones included; the GPT's token ids in [0, vocab) on concrete ones): on a signature's first batch,
+        # and on every batch of host arrays (cheap; reading device arrays back would stall the asynchronous dispatch).
         validate = getattr(self.source_model, "validate_batch", None)
-        concrete = all(isinstance(x, np.ndarray | jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves)
-        if validate is not None and concrete and (first or any(isinstance(x, np.ndarray) for x in leaves)):
+        if validate is not None and (first or any(isinstance(x, np.ndarray) for x in leaves)):
             validate(batch)
         return (treedef, tuple(map(len, shapes))), self._checked[treedef, shapes, m]
 

@@ -14,6 +14,8 @@ Define your own in a few lines:
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -382,12 +384,29 @@ for _name, _required, _kernel, _what in (
     )
 
 
+#: Old names that keep working, each saying once per process that it is deprecated: the context-parallel
+#: strategies were `sp_*`, which read as Megatron's sequence parallelism (`tp_sp`), a different thing.
+DEPRECATED_NAMES: dict[str, str] = {
+    "sp_ring": "cp_ring", "sp_zigzag": "cp_zigzag", "sp_striped": "cp_striped", "sp_ulysses": "cp_ulysses",
+    "sp_usp": "cp_usp", "fsdp_sp_zigzag": "fsdp_cp_zigzag", "sp_zigzag_tp": "cp_zigzag_tp",
+}  # fmt: skip
+_warned: set[str] = set()
+
+
 def strategy(name: str | Strategy) -> Strategy:
-    """The registered strategy `name` (a Strategy passes through)."""
+    """The registered strategy `name` (a Strategy passes through; a deprecated name gives its new one's)."""
     if isinstance(name, Strategy):
         return name
+    if name in DEPRECATED_NAMES and name not in STRATEGIES:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"strategy {name!r} is now {DEPRECATED_NAMES[name]!r} (context parallelism); the old name "
+                          "will be removed", FutureWarning, stacklevel=2)  # fmt: skip
+        name = DEPRECATED_NAMES[name]
     if name not in STRATEGIES:
-        raise ShardkitError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}")
+        close = difflib.get_close_matches(name, STRATEGIES, n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        raise ShardkitError(f"unknown strategy {name!r}{hint}; available: {', '.join(STRATEGIES)}")
     return STRATEGIES[name]
 
 
@@ -399,9 +418,9 @@ _SP = {"seq": "seq", "res_seq": "seq"}
 _USP = {"seq": ("seq_r", "seq_u"), "res_seq": ("seq_r", "seq_u")}  # ring-major: a2a over seq_u rebuilds ring blocks
 
 for _name, _attention, _what in (
-    ("sp_ring", "ring:contiguous", "ring attention, contiguous layout (causal work unbalanced, ~2x at large N)"),
-    ("sp_zigzag", "ring:zigzag", "ring attention, zigzag layout (rank r holds chunks r and 2N-1-r: balanced)"),
-    ("sp_striped", "ring:striped", "ring attention, striped layout (token i on rank i mod N: balanced)"),
+    ("cp_ring", "ring:contiguous", "ring attention, contiguous layout (causal work unbalanced, ~2x at large N)"),
+    ("cp_zigzag", "ring:zigzag", "ring attention, zigzag layout (rank r holds chunks r and 2N-1-r: balanced)"),
+    ("cp_striped", "ring:striped", "ring attention, striped layout (token i on rank i mod N: balanced)"),
 ):
     register_strategy(
         Strategy(
@@ -416,7 +435,7 @@ for _name, _attention, _what in (
     )
 register_strategy(
     Strategy(
-        "sp_ulysses",
+        "cp_ulysses",
         _rules(),
         _rules(batch="data", **_SP),
         required_axes=("seq",),
@@ -427,7 +446,7 @@ register_strategy(
 )
 register_strategy(
     Strategy(
-        "sp_usp",
+        "cp_usp",
         _rules(),
         _rules(batch="data", **_USP),
         required_axes=("seq_u", "seq_r"),
@@ -438,7 +457,7 @@ register_strategy(
 )
 register_strategy(
     Strategy(
-        "fsdp_sp_zigzag",
+        "fsdp_cp_zigzag",
         _rules(**_FSDP),
         _rules(batch=_DP_FSDP, **_SP),
         required_axes=("fsdp", "seq"),
@@ -449,7 +468,7 @@ register_strategy(
 )
 register_strategy(
     Strategy(
-        "sp_zigzag_tp",
+        "cp_zigzag_tp",
         _rules(**_TP),
         _rules(batch="data", **_SP, **_TP),
         required_axes=("seq", "tensor"),

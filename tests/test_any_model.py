@@ -282,6 +282,6 @@ def test_a_new_kernel_slot_is_registered_not_edited_in():
     with pytest.raises(sk.ShardkitError, match=r"kernel 'cube' is not registered for slot 'act'"):
         sk.make_train_step(convnet(mesh, "dp"), optax.sgd(0.1), mesh, squared.replace(kernels={"act": "cube"}),
                            loss_fn=image_loss, batch_axes=IMAGE_AXES)  # fmt: skip
-    assert sk.kernels.batch_layout(sk.strategy("sp_zigzag"), sk.make_mesh("data=2,seq=4")) == ("zigzag", 4)
-    assert sk.kernels.batch_layout(sk.strategy("sp_usp"), sk.make_mesh("seq_u=2,seq_r=4")) == ("zigzag", 4)
+    assert sk.kernels.batch_layout(sk.strategy("cp_zigzag"), sk.make_mesh("data=2,seq=4")) == ("zigzag", 4)
+    assert sk.kernels.batch_layout(sk.strategy("cp_usp"), sk.make_mesh("seq_u=2,seq_r=4")) == ("zigzag", 4)
     assert sk.kernels.batch_layout(sk.strategy("fsdp"), sk.make_mesh("data=2,fsdp=4")) == ("contiguous", 1)

@@ -4,6 +4,11 @@ No compile here: these check the dispatch and the predictions' inputs, which the
 exercise end to end.
 """
 
+import ast
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from common import TINY
@@ -58,8 +63,132 @@ def test_a_copy_under_a_new_name_gets_the_originals_prediction(name, cfg, mesh, 
     assert copy.traits() == sk.strategy(name).traits()
 
 
+def test_a_copy_of_cp_zigzag_gets_the_originals_explain_prediction():
+    # the GPT's formulas do not cover context parallelism: explain predicts its rows from the rules tables, which a
+    # copy under a new name shares (one compile each; TINY at 32 tokens over a ring of 4)
+    mesh = sk.make_mesh("data=2,seq=4")
+    reports = []
+    for s in (sk.strategy("cp_zigzag"), sk.strategy("cp_zigzag").replace(name="my_ring_copy")):
+        step = sk.make_train_step(sk.abstract_model(lambda rngs: GPT(TINY, rngs=rngs)), optax.sgd(0.1), mesh, s)
+        tokens = jax.ShapeDtypeStruct((16, 32), jnp.int32, sharding=step.batch_sharding)
+        reports.append(sk.explain(step, step.abstract_state(), {"inputs": tokens, "targets": tokens}))
+    original, copy = reports
+    assert original.predicted_comms and copy.predicted_comms == original.predicted_comms
+    assert copy.predicted_memory == original.predicted_memory and copy.collectives == original.collectives
+
+
 def test_a_strategy_the_formulas_do_not_describe_gets_none_whatever_its_name():
     # the GPT's tp formula under the name of a CNN strategy that splits channels: not Megatron, so no formula
     assert TINY.cost_model(sk.strategy("tp_channels").replace(name="tp"), {"data": 4, "tensor": 2},
                            {"inputs": (16, 32)}, 4, "cpu") is None  # fmt: skip
     assert sk.strategy("fsdp").traits().reduce_scatters and not sk.strategy("dp").traits().reduce_scatters
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Enforced layers. The core (every module of shardkit/ outside parallel/ and attention/) never imports a
+# parallelism or an attention kernel: those import the core and register themselves (strategies, steps,
+# kernels, plan hooks), and only the package's __init__ imports them, so that `import shardkit` registers them.
+# No import cycle (lazy imports inside functions included: a lazy import that closes a cycle hides it) and no
+# import below code (E402) anywhere in shardkit/.
+
+PLUGINS = ("shardkit.parallel", "shardkit.attention")
+
+
+def _modules(root: Path) -> dict[str, str]:
+    """{dotted module name: source} of every .py file of the package at `root`."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path.read_text()
+    return out
+
+
+def _is_package(name: str, sources: dict[str, str]) -> bool:
+    return any(m.startswith(name + ".") for m in sources)
+
+
+def _imports(name: str, source: str, sources: dict[str, str]) -> list[tuple[str, int, bool]]:
+    """(imported shardkit module, line, at module level) for every import in `source`; `from pkg import x` names
+    the submodule pkg.x where there is one. Imports under `if TYPE_CHECKING:` do not run and are left out."""
+    package = name if _is_package(name, sources) else name.rpartition(".")[0]
+    tree = ast.parse(source)
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}  # fmt: skip
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in sources else base for a in node.names]
+        else:
+            continue
+        out += [(t, node.lineno, id(node) in top) for t in targets if t.split(".")[0] == "shardkit"]
+    return out
+
+
+def layering_problems(sources: dict[str, str]) -> list[str]:
+    """Every breach of the layers above, one line each (empty: the layers hold)."""
+    problems = []
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for name, source in sources.items():
+        core = name != "shardkit" and not name.startswith(PLUGINS)
+        for target, line, _ in _imports(name, source, sources):
+            graph[name].add(target)
+            if core and target.startswith(PLUGINS):
+                problems.append(f"{name}:{line} (core) imports {target}")
+        tree = ast.parse(source)
+        code_seen = False
+        for node in tree.body:
+            is_doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node is tree.body[0]
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                if code_seen:
+                    problems.append(f"{name}:{node.lineno} imports below code (E402)")
+            elif not (is_doc or isinstance(node, ast.If | ast.Try)):
+                code_seen = True
+        if "noqa: E402" in source:
+            problems.append(f"{name}: silences E402")
+    # cycles: depth-first search over the import graph
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1 and t != m:
+                problems.append("import cycle: " + " -> ".join([*path[path.index(t) :], t]))
+            elif t in graph and not state.get(t):
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if not state.get(m):
+            visit(m, [m])
+    return problems
+
+
+def test_the_core_imports_no_parallelism_and_nothing_imports_in_a_cycle():
+    sources = _modules(Path(sk.__file__).parent)
+    assert len(sources) > 30 and "shardkit.parallel.spatial" in sources and "shardkit.step" in sources
+    assert layering_problems(sources) == []
+
+
+def test_the_layering_check_catches_a_bad_import_a_cycle_and_e402():
+    sources = _modules(Path(sk.__file__).parent)
+    bad = {
+        **sources,
+        "shardkit.bad": '"""A core module."""\nimport math\n\ndef f():\n    from shardkit.parallel import spatial\n',
+        "shardkit.late": '"""Doc."""\nX = 1\nimport shardkit.errors\n',
+        "shardkit.cyc_a": "from shardkit import cyc_b\n",
+        "shardkit.cyc_b": "def g():\n    from . import cyc_a\n",
+    }
+    found = layering_problems(bad)
+    assert "shardkit.bad:5 (core) imports shardkit.parallel.spatial" in found
+    assert "shardkit.late:3 imports below code (E402)" in found
+    assert "import cycle: shardkit.cyc_a -> shardkit.cyc_b -> shardkit.cyc_a" in found
+    assert len(found) == 3, found

@@ -110,7 +110,7 @@ def test_tp3d_gpt_step_prediction_equals_compilation(grid):
 
 
 def test_alpha_beta_reproduces_the_hierarchical_all_reduce_check():
-    """ALGORITHMS.md §1 derived check: 1 GB over 16 nodes x 8 GPUs, 450 / 50 GB/s: flat 39.7 ms, hier 8.6 ms."""
+    """docs/algorithms.md §1 derived check: 1 GB over 16 nodes x 8 GPUs, 450 / 50 GB/s: flat 39.7 ms, hier 8.6 ms."""
     hw = HardwarePreset("t", "", "gpu", "x", 128, 1.0, 1.0, {"tensor": 8}, {"data": 16},
                         {"ici": Link(450e9, 0.0), "dcn": Link(50e9, 0.0)}, {})  # fmt: skip
     n = 1e9
@@ -188,5 +188,5 @@ def test_combined_strategies_compose_their_parts_and_unknown_ones_are_refused():
     assert z[("reduce-scatter", "data")] + z[("all-gather", "data")] == pytest.approx(dp[("all-reduce", "data")])
     zmem, dpmem = (gc.memory(s, TINY, {"data": 8}, 16, 32, 4) for s in ("zero1", "dp"))
     assert zmem["optimizer"] * 8 == pytest.approx(dpmem["optimizer"]) and zmem["params"] == dpmem["params"]
-    with pytest.raises(sk.ShardkitError, match=r"no formula for strategy 'sp_zigzag'"):
-        gc.strategy_comms("sp_zigzag", TINY, {"seq": 8}, 16, 32)
+    with pytest.raises(sk.ShardkitError, match=r"no formula for strategy 'cp_zigzag'"):
+        gc.strategy_comms("cp_zigzag", TINY, {"seq": 8}, 16, 32)

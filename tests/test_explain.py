@@ -79,8 +79,8 @@ def no_allocation(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("explain must not allocate parameters or read data")
 
-    for target in ("shardkit.sharded_init", "shardkit.init.sharded_init", "experiments.train.data.load_dataset",
-                   "shardkit.step.TrainStep.init_state", "experiments.train.data.global_batch"):  # fmt: skip
+    for target in ("shardkit.sharded_init", "shardkit.init.sharded_init", "experiments.data.text.load_dataset",
+                   "shardkit.step.TrainStep.init_state", "experiments.data.text.global_batch"):  # fmt: skip
         monkeypatch.setattr(target, boom)
 
 
@@ -155,7 +155,7 @@ def test_explain_works_on_any_model_and_batch():
     assert "batch image [16, 8, 8, 1], label [16]" in text and "all-gather" in text
 
 
-@pytest.mark.parametrize(("spec", "strategy"), [("data=2,seq=4", "sp_zigzag"), ("data=4,stage=2", "pp_dp")])
+@pytest.mark.parametrize(("spec", "strategy"), [("data=2,seq=4", "cp_zigzag"), ("data=4,stage=2", "pp_dp")])
 def test_rules_prediction_covers_sequence_and_pipeline_splits(spec, strategy):
     """Gradients of a sequence-split batch are all-reduced over seq too; a pipeline keeps each stage's layers
     where they rest (no gather over stage): the rules-based rows equal the compiled ones (observed: exact)."""

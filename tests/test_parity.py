@@ -89,13 +89,13 @@ def _strategies_trained_by(test) -> set[str]:
 def test_every_shipped_strategy_has_a_parity_test():
     """Every registered strategy is trained against one device somewhere in the suite: a new strategy fails here
     until it gets one. The GSPMD tables are tested in this file, the others next to their kernels."""
+    import test_context_parallel
     import test_pipeline
-    import test_sp_training
     import test_spatial
     import test_tensor3d
 
     covered = set(MESHES) | {"tp3d", "pp_tp"}  # test_tensor3d / test_pipeline, by name (not parametrized over it)
-    covered |= _strategies_trained_by(test_sp_training.test_sp_strategy_matches_one_device)
+    covered |= _strategies_trained_by(test_context_parallel.test_cp_strategy_matches_one_device)
     covered |= _strategies_trained_by(test_pipeline.test_pipeline_training_matches_one_device)
     covered |= {"tp_channels"}  # tests/test_resnet_digits.py: a CNN, whose channels it shards
     covered |= _strategies_trained_by(test_spatial.test_training_equals_one_device)  # 3D CNNs, spatial splits

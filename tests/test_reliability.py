@@ -297,8 +297,61 @@ def test_token_ids_outside_the_vocabulary_are_refused_through_the_api(run):
     for bad in (-1, TINY.vocab_size):
         batch = jax.tree.map(np.array, make_batch())  # writable host copies
         batch["targets"][3, 5] = bad
-        with pytest.raises(sk.ShardkitError, match=r"batch\['targets'\]: token ids must be in \[0, vocab_size=128\)"):
+        with pytest.raises(sk.ShardkitError, match=r"batch\['targets'\] must be in \[0, vocab_size=128\)"):
             step(state, batch)
+
+
+IDS, IDS3 = jax.ShapeDtypeStruct((16, 32), jnp.int32), jax.ShapeDtypeStruct((16, 32, 2), jnp.int32)
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ({"inputs": jax.ShapeDtypeStruct((16, 32), jnp.float32), "targets": IDS},
+         r"GPT: batch\['inputs'\] has dtype float32; it must be an integer dtype"),
+        ({"inputs": IDS}, r"GPT: the batch has no 'targets' \(keys: \['inputs'\]\); its loss reads 'inputs'"),
+        ({"inputs": IDS, "targets": jax.ShapeDtypeStruct((16, 16), jnp.int32)},
+         r"GPT: batch entries \['inputs', 'targets'\] must have one shape"),
+        ({"inputs": IDS3, "targets": IDS3},
+         r"GPT: batch\['inputs'\] has shape \(16, 32, 2\) \(3-D\); it must be 2-D"),
+        ([IDS, IDS], r"GPT: the batch must be a dict with keys \['inputs', 'targets'\]"),
+    ],
+    ids=["float-ids", "no-targets", "targets-shape", "3d", "not-a-dict"],
+)  # fmt: skip
+def test_a_malformed_gpt_batch_is_one_error_before_xla(run, batch, message):
+    """Issue #26 items 1-3: each used to be a raw JAX error (indices must have an integer type, KeyError, ...)."""
+    _, _, step = run
+    with pytest.raises(sk.ShardkitError, match=message):
+        step.lower(step.abstract_state(), batch)  # abstract: the model's check needs no values, nothing compiles
+
+
+def test_every_model_checks_the_batch_its_loss_reads():
+    from models.cosmoflow import CosmoFlow, CosmoFlowConfig
+    from models.resnet import ResNet, ResNetConfig
+    from models.unet3d import UNet3D, UNet3DConfig
+
+    f32, i32 = jnp.float32, jnp.int32
+    sds = jax.ShapeDtypeStruct
+    cases = [
+        (lambda r: ResNet(ResNetConfig(widths=(4,), blocks=(1,)), rngs=r),
+         {"image": sds((8, 8, 8, 1), i32), "label": sds((8,), i32)}, r"ResNet: batch\['image'\] has dtype int32"),
+        (lambda r: ResNet(ResNetConfig(widths=(4,), blocks=(1,)), rngs=r),
+         {"image": sds((8, 8, 8, 3), f32), "label": sds((8,), i32)}, r"has 3 channels; the model takes in_channels=1"),
+        (lambda r: ResNet(ResNetConfig(widths=(4,), blocks=(1,)), rngs=r),
+         {"image": sds((8, 8, 8, 1), f32), "label": np.full(8, 10, np.int32)}, r"must be in \[0, num_classes=10\)"),
+        (lambda r: UNet3D(UNet3DConfig(widths=(4, 8)), rngs=r),
+         {"volume": sds((8, 8, 8, 8, 1), f32), "label": sds((8, 8, 8, 4), i32)}, r"UNet3D: batch\['volume'\] \(8, 8"),
+        (lambda r: CosmoFlow(CosmoFlowConfig(size=8, widths=(4,), dense=(8,)), rngs=r),
+         {"volume": sds((8, 8, 8, 8, 1), f32)}, r"CosmoFlow: the batch has no 'target'"),
+        (lambda r: CosmoFlow(CosmoFlowConfig(size=8, widths=(4,), dense=(8,)), rngs=r),
+         {"volume": sds((8, 8, 8, 8, 1), f32), "target": sds((8, 3), f32)}, r"must be \[B, D, H, W, 1\] and \[B, 4\]"),
+    ]  # fmt: skip
+    mesh = sk.make_mesh("data=8")
+    for build, batch, message in cases:
+        model = sk.abstract_model(build)
+        step = sk.make_train_step(model, optax.sgd(0.1), mesh, "dp", batch_axes=type(model).batch_axes)
+        with pytest.raises(sk.ShardkitError, match=message):
+            step.lower(step.abstract_state(), batch)
 
 
 def test_a_token_file_read_with_the_wrong_width_is_refused(tmp_path):

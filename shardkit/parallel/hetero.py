@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from shardkit import costmodel
 from shardkit.errors import ShardkitError
 from shardkit.strategies import register_strategy
+from shardkit.strategies import strategy as named
 
 
 def _positive(name: str, values: Sequence[float], n: int | None = None) -> list[float]:
@@ -248,8 +250,6 @@ def strategy(
 ) -> Any:  # fmt: skip
     """Data parallelism with `counts[d]` micro-batches of `microbatch` examples on device d (`hetero_dp`);
     `speeds` (optional) are the throughputs the counts were balanced for, for the step's report."""
-    from shardkit.strategies import strategy as named
-
     cfg = HeteroConfig(tuple(counts), int(microbatch), axis, mode, tuple(speeds))
     return named("dp").replace(
         name="hetero_dp", step="hetero", options=cfg,
@@ -259,6 +259,32 @@ def strategy(
     )  # fmt: skip
 
 
+def plan_on_groups(p: Any, model_cfg: Any, hw: Any, batch: int, seq_len: int | None, frac: float) -> Any:
+    """`sk.plan`'s hook (costmodel.PLAN_HOOKS): on a preset with device groups of different speeds, a plan that
+    only splits the batch (no parameter sharded, the GSPMD step, every mesh axis a batch axis) gets its even vs
+    balanced compute time and the pipeline's min-max cut attached, and is refused if no split fits in memory."""
+    if not hw.groups or not hasattr(model_cfg, "flops_per_token" if seq_len else "flops_per_example"):
+        return p
+    t = named(p.strategy).traits()
+    devices = math.prod(p.mesh.values())
+    if t.step != "gspmd" or t.params or set(p.mesh) - set(t.batch) or len(hw.device_speeds()) != devices:
+        return p
+    fpe = model_cfg.flops_per_token(seq_len) * seq_len if seq_len else model_cfg.flops_per_example()
+    state = p.memory["params"] + p.memory["grads"] + p.memory["optimizer"]
+    try:
+        b = balance(
+            hw.device_speeds(), [frac * m for m in hw.device_memory()], batch, fpe, hw.peak_flops,
+            layers=int(getattr(model_cfg, "num_layers", 0)), state_bytes=state,
+            bytes_per_example=p.memory.get("activations", 0.0) / (batch / devices),
+        )  # fmt: skip
+    except ShardkitError as e:  # the devices' memory cannot hold the batch, however it is split
+        return dataclasses.replace(p, fits=False, reason=f"hetero: {e}")
+    note = (f"hetero: dp even {b.dp_even_s * 1e3:.1f} ms vs balanced {b.dp_balanced_s * 1e3:.1f} ms compute "
+            f"(x{b.dp_even_s / b.dp_balanced_s:.2f}, counts {list(b.counts)}); pipeline min-max "
+            f"{b.pp_balanced_s * 1e3:.1f} ms; best: {b.best} (predicted)")  # fmt: skip
+    return dataclasses.replace(p, hetero=b, reason=(p.reason + "; " if p.reason else "") + note)
+
+
 __all__ = [
     "Balance",
     "HeteroConfig",
@@ -266,9 +292,11 @@ __all__ = [
     "balance",
     "even_split",
     "partition_stages",
+    "plan_on_groups",
     "simulated_step_time",
     "split_batch",
     "strategy",
 ]
 
 register_strategy(strategy())
+costmodel.register_plan_hook(plan_on_groups)
