@@ -74,7 +74,7 @@ _STATE_DEGREE: dict[str, Callable[[int, int, int, int], int]] = {
 }
 MODELLED = tuple(_STATE_DEGREE)  #: the formulas below (named after the built-in strategies they describe)
 _MODELLED = ", ".join(MODELLED)
-_TENSOR_NAMES = ("heads", "kv_heads", "mlp", "vocab")  # Megatron's split names in the GPT
+_TENSOR_NAMES = ("heads", "kv_heads", "kv", "mlp", "vocab")  # Megatron's split names (kv: Flax's heads)
 _PLAIN_KERNELS = {"attention": ("dense", "cudnn"), "layers": ("scan", "unrolled")}
 
 

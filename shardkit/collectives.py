@@ -6,7 +6,7 @@
     y = all_gather_matmul(x, w, axis="tensor")                   # all_gather(x) @ w as a ppermute loop
     y = matmul_reduce_scatter(x, w, axis="tensor")               # psum_scatter(x @ w) as a ppermute loop
 
-Hierarchical all-reduce (ALGORITHMS.md §1; Thakur et al. 2005): the full-size reduce-scatter / all-gather pair
+Hierarchical all-reduce (docs/algorithms.md §1; Thakur et al. 2005): the full-size reduce-scatter / all-gather pair
 runs over the fast `inner` axis and only 1/p_inner of the data crosses the slow `outer` axis.
 
 Collective matmul (Wang et al., ASPLOS'23, "Overlap communication with dependent computation via
@@ -45,7 +45,7 @@ def hierarchical_psum(x: jax.Array, inner: AxisName, outer: AxisName) -> jax.Arr
     """[...] -> [...] summed over inner x outer: reduce-scatter(inner) -> psum(outer) -> all-gather(inner).
 
     Any size works: x is flattened and zero-padded to a multiple of the inner size. Ring volume per device
-    2(p1-1)/p1 * n on inner, 2(p2-1)/p2 * n/p1 on outer (ALGORITHMS.md §1).
+    2(p1-1)/p1 * n on inner, 2(p2-1)/p2 * n/p1 on outer (docs/algorithms.md §1).
     """
     p = _size(inner)
     flat = x.reshape(-1)

@@ -105,6 +105,8 @@ class Report:
     prediction_source: str = "no prediction"
     scaled: dict[str, Any] | None = None  # target_mesh, collectives, memory, predictions on the target
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: (path, shape, bytes) of each parameter without logical names: replicated on every device
+    unnamed_params: list[tuple[str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per (kind, mesh axes): measured count / bytes, predicted, and scaled figures when present."""
@@ -186,6 +188,7 @@ class Report:
             collectives=self.rows(), collectives_detail=[dataclasses.asdict(c) for c in self.collectives],
             memory=dict(self.memory), memory_rows=self.memory_rows(), predicted_memory=self.predicted_memory,
             prediction_source=self.prediction_source, scaled=self.scaled, notes=list(self.notes),
+            unnamed_params=[dict(path=p, shape=list(shape), bytes=b) for p, shape, b in self.unnamed_params],
         )  # fmt: skip
 
     def to_json(self, **kw: Any) -> str:
@@ -270,7 +273,13 @@ def explain(
                 comms[t.collective, axis] = (n + 1 + t.backward, total + (1 + t.backward) * b)
         sources = ", ".join(sorted({t.source for t in unpredicted}))
         pred = (comms, pred[1], f"{pred[2]}; {len(unpredicted)} kernel calls' own collectives, as traced ({sources})")
-    report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes)
+    unnamed = list(getattr(step, "unnamed_params", []))
+    if unnamed:
+        shown = ", ".join(f"{p} {list(shape)}" for p, shape, _ in unnamed[:6]) + (", ..." if len(unnamed) > 6 else "")
+        notes.append(f"{len(unnamed)} parameters have no logical names and are replicated on every device "
+                     f"({sum(b for *_, b in unnamed) / 2**20:.2f} MiB each): {shown}; name them "
+                     "(nnx.with_partitioning) to shard them, or strict_names=True to refuse them")  # fmt: skip
+    report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes, unnamed_params=unnamed)
     report.predicted_comms, report.predicted_memory, report.prediction_source = pred
     if target_mesh:
         report.scaled = _scale(report, step, state, batch, dict(target_mesh), cfg, nbytes, backend)

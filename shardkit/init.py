@@ -13,6 +13,7 @@ shardkit builds models with eager sharding off and resolves the names through th
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,26 +82,43 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]
     return nnx.split(model, nnx.Param, ...)
 
 
-def state_logical_axes(state: nnx.State, *, require: bool = True) -> dict[str, Any]:
+def state_logical_axes(state: nnx.State, *, require: bool = True, strict: bool = False) -> dict[str, Any]:
     """A pure dict (the structure of `nnx.to_pure_dict(state)`) of each variable's logical axis names.
 
-    With `require` (parameters) a variable without names for every dimension is a ShardkitError naming its
-    path (no silent replication; scalars need none). Without it (BatchNorm statistics, RNG counters) an
-    unnamed variable is replicated: it is small, and every device must hold the same value.
+    Names mean what they mean to Flax and JAX (`nnx.with_partitioning`, a `PartitionSpec`): fewer names than
+    dimensions name the leading ones and replicate the rest (`('embed', 'kv')` on an [embed, heads, head_dim]
+    kernel is `('embed', 'kv', None)`), and a variable with no names is replicated. More names than dimensions
+    is a ShardkitError naming the variable. With `strict` (`Strategy.strict_names`), a parameter (`require`)
+    must have exactly one name (or None) per dimension (scalars need none): nothing is replicated silently.
     """
     out: dict[str, Any] = {}
     for path, var in _variables(state):
         shape = tuple(getattr(var.get_value(), "shape", ()))
         names = logical_names(var)
-        if names is None and (not require or not shape):
-            names = (None,) * len(shape)
-        if names is None or len(names) != len(shape):
+        if (names is not None and len(names) > len(shape)) or (
+            strict and require and shape and (names is None or len(names) != len(shape))
+        ):
             raise ShardkitError(
                 f"{type(var).__name__} {_path_str(path)!r} of shape {shape} has logical names {names!r}; give every "
                 "parameter one logical name (or None) per dimension: nnx.with_partitioning(init, ('embed', 'mlp')) "
                 "as Flax writes it, or nnx.Param(value, logical_axes=('embed', 'mlp'))"
-            )
+                + ("" if names is not None and len(names) > len(shape) else
+                   " (strict_names=True: fewer names, or none, are refused rather than replicated)")
+            )  # fmt: skip
+        names = tuple(names or ()) + (None,) * (len(shape) - len(names or ()))
         _nest(out, path, names)
+    return out
+
+
+def unnamed_parameters(state: nnx.State) -> list[tuple[str, tuple[int, ...], int]]:
+    """(path, shape, bytes) of every parameter without logical names: replicated on every device under any
+    strategy (`sk.explain` lists them; `Strategy.strict_names` refuses them)."""
+    out = []
+    for path, var in _variables(state):
+        value = var.get_value()
+        shape = tuple(getattr(value, "shape", ()))
+        if isinstance(var, nnx.Param) and shape and logical_names(var) is None:
+            out.append((_path_str(path), shape, int(math.prod(shape)) * jax.numpy.dtype(value.dtype).itemsize))
     return out
 
 
@@ -131,12 +149,18 @@ def scoped_rules(path: str, rules: Rules, scopes: Mapping[str, Rules] | None) ->
 
 
 def state_shardings(
-    state: nnx.State, rules: Rules, mesh: Mesh, *, require: bool = True, scopes: Mapping[str, Rules] | None = None
+    state: nnx.State,
+    rules: Rules,
+    mesh: Mesh,
+    *,
+    require: bool = True,
+    scopes: Mapping[str, Rules] | None = None,
+    strict: bool = False,
 ) -> dict[str, Any]:
     """A pure dict of NamedShardings for `state`, checked (path, shape, axis) against the mesh; a variable under a
     scope pattern (Strategy.scopes) takes that scope's rules over `rules`."""
     shapes = nnx.to_pure_dict(state)
-    logical = state_logical_axes(state, require=require)
+    logical = state_logical_axes(state, require=require, strict=strict)
     kind = "parameter" if require else "variable"
 
     def one(path: Any, names: tuple, sds: Any) -> NamedSharding:
@@ -165,7 +189,9 @@ def sharded_init(
     bound = get_strategy(strategy).bind(mesh)
     graphdef, abs_params, abs_rest = split_params(abstract_model(make_model, seed))
     shardings = (
-        state_shardings(abs_params, bound.param_rules, mesh, require=True, scopes=bound.scopes),
+        state_shardings(
+            abs_params, bound.param_rules, mesh, require=True, scopes=bound.scopes, strict=bound.strategy.strict_names
+        ),
         state_shardings(abs_rest, bound.param_rules, mesh, require=False, scopes=bound.scopes),
     )
 
@@ -179,22 +205,44 @@ def sharded_init(
         return nnx.merge(graphdef, params, rest)
 
 
+class LinenModel(nnx.bridge.ToNNX):
+    """`sk.from_linen`'s model: Flax's `nnx.bridge.ToNNX`, whose calls return what Linen's `apply` returns.
+
+    `model(x)` -> `out`; `model(x, mutable=["batch_stats"])` -> `(out, updates)`, `updates` the mutated
+    collections as Linen gives them (`{"batch_stats": {...}}`), which the model also keeps (the train step carries
+    them). `ToNNX` itself returns `out` alone in both cases; the usual Linen line `logits, updates = ...` needs
+    the pair.
+    """
+
+    def __call__(self, *args: Any, mutable: Any = None, **kwargs: Any) -> Any:
+        out = super().__call__(*args, mutable=mutable, **kwargs)
+        if mutable is None or mutable is False or self._pytree__state.initializing:
+            return out
+        variables = nnx.bridge.variables.nnx_attrs_to_linen_vars(
+            {k: v for k, v in vars(self).items() if not k.startswith(("to_nnx__", "_pytree__"))}
+        )
+        names = [mutable] if isinstance(mutable, str) else None if mutable is True else list(mutable)
+        updates = {c: v for c, v in variables.items() if c != "params" and (names is None or c in names)}
+        return out, updates
+
+
 def from_linen(
     module: Any, example_inputs: Any, mesh: Mesh, strategy: str | Strategy, *, seed: int = 0, **call_kwargs: Any
 ) -> nnx.Module:
-    """A Linen module as a sharded NNX model (`nnx.bridge.ToNNX`), ready for `make_train_step`.
+    """A Linen module as a sharded NNX model (a `LinenModel`, Flax's `nnx.bridge.ToNNX`), for `make_train_step`.
 
     `example_inputs` (an array or a tuple of positional arguments) and `call_kwargs` are what the module's
     `__call__` takes; they fix the shapes of the variables, as `module.init` would. Names from Linen's
     `nn.with_logical_partitioning` are honoured (they arrive as Flax's `out_sharding` metadata); Linen's
     collections other than `params` (`batch_stats`, ...) become model state. Call the model inside `loss_fn` as
-    Linen's `apply` would be called: `model(x, train=True, mutable=["batch_stats"])` updates the statistics
-    (the step carries them); Linen RNG streams (dropout) come from the bridge's own counter, advanced per call.
+    Linen's `apply` is called: `logits, updates = model(x, train=True, mutable=["batch_stats"])` returns the
+    output and the updated collections (and keeps them: the step carries them); `model(x, train=False)` returns
+    the output alone. Linen RNG streams (dropout) come from the bridge's own counter, advanced per call.
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
     def make(rngs: nnx.Rngs) -> nnx.Module:
-        model = nnx.bridge.ToNNX(module, rngs=rngs)
+        model = LinenModel(module, rngs=rngs)
         nnx.bridge.lazy_init(model, *args, **call_kwargs)
         return model
 

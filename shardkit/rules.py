@@ -70,9 +70,11 @@ def logical_to_spec(
             spec.append(None)
             continue
         if name not in rules:
+            hint = (f"; {name!r} is a mesh axis: a model annotated with mesh axes trains as annotated under strategy "
+                    "'annotated'" if name in mesh.shape else "")  # fmt: skip
             raise ShardkitError(
                 f"{what}: logical axis {name!r} has no rule in this strategy (known: {', '.join(sorted(rules))}); "
-                f"add a rule {name!r}: None to replicate it or {name!r}: '<mesh axis>' to shard it"
+                f"add a rule {name!r}: None to replicate it or {name!r}: '<mesh axis>' to shard it{hint}"
             )
         axes = rules[name] or ()
         for axis in axes:

@@ -59,7 +59,7 @@ from shardkit import batch as batching
 from shardkit import kernels
 from shardkit.batch import Batch, BatchAxes
 from shardkit.errors import ShardkitError
-from shardkit.init import is_key, split_params, state_logical_axes, state_shardings
+from shardkit.init import is_key, split_params, state_logical_axes, state_shardings, unnamed_parameters
 from shardkit.rules import flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
@@ -135,10 +135,12 @@ class TrainStep(abc.ABC):
         self.batch_axes = ("batch",) if batch_axes is None else batch_axes
         self.graphdef, params, rest = split_params(model)
         rules = self.bound.param_rules
-        self.param_names = state_logical_axes(params)  # pure dict of each parameter's logical names
+        strict = self.strategy.strict_names
+        self.param_names = state_logical_axes(params, strict=strict)  # pure dict of each parameter's logical names
+        self.unnamed_params = unnamed_parameters(params)  # (path, shape, bytes): replicated, listed by explain
         scopes = self.bound.scopes  # Whale-style per-module rules (Strategy.scopes)
-        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes)
-        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes)
+        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes, strict=strict)
+        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes, strict=strict)
         self.model_state_shardings = state_shardings(rest, rules, mesh, require=False, scopes=scopes)
         self.initial_model_state = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
         self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 #: Logical names the models in models/ use (models/axes.py) — every strategy says what each one does: the
 #: transformer's, then the CNNs' (`depth` is a volume's third spatial dimension; `classes` a classifier's output).
 #: A model with names of its own extends a strategy: `sk.strategy("fsdp").extend(my_name=None)`.
-LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers",
+#: "kv" is Flax's examples' name for the heads dimension of attention kernels (`('embed', 'kv')` on an
+#: [embed, heads, head_dim] kernel): Megatron splits it like `heads`.
+LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "kv", "head_dim", "mlp", "vocab", "layers",
                 "experts", "height", "width", "depth", "channels", "classes")  # fmt: skip
 _REPLICATED: dict[str, MeshAxes] = dict.fromkeys(LOGICAL_AXES)
 #: Mesh axis names the strategies use; a rule may name one the mesh lacks (it is then dropped: data parallelism
@@ -51,7 +53,7 @@ class Strategy:
     attention: str = "dense"  # shorthand for kernels["attention"]
     layers: str = "scan"  # shorthand for kernels["layers"]: "scan" or a pipeline kernel (shardkit/layers.py)
     description: str = ""
-    collectives: str = ""  # what it compiles to, for the README table and explain()
+    collectives: str = ""  # what it compiles to, for docs/strategies.md's table and explain()
     #: slot -> kernel name (shardkit/kernels.py), e.g. {"attention": "ring:zigzag", "layers": "scan", "conv": ...}
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: the train step that runs this strategy (shardkit/step.py registry): "gspmd" (shardkit/train.py, one jit
@@ -64,6 +66,9 @@ class Strategy:
     #: inside `with sk.scope("<path>"):`. E.g. {"head": {"classes": "data", "batch": None}}: the classifier split
     #: over the devices that hold the batch elsewhere (Whale's `split` inside `replicate`).
     scopes: Mapping[str, Mapping[str, MeshAxes]] = dataclasses.field(default_factory=dict)
+    #: refuse parameters with fewer logical names than dimensions, or none, instead of replicating what is unnamed
+    #: (Flax's meaning, the default; `--config.strict_names`)
+    strict_names: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_rules", normalize_rules(self.param_rules))
@@ -196,7 +201,7 @@ def _rules(**overrides: str | Sequence[str] | None) -> dict[str, MeshAxes]:
     return {**_REPLICATED, **normalize_rules(overrides)}
 
 
-_TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+_TP = {"heads": "tensor", "kv_heads": "tensor", "kv": "tensor", "mlp": "tensor", "vocab": "tensor"}
 _DP_FSDP = ("data", "fsdp")
 # FSDP rests a transformer's parameters on their `embed` dimension and a CNN's on their (output) `channels`.
 _FSDP = {"embed": "fsdp", "channels": "fsdp"}
@@ -382,6 +387,21 @@ for _name, _required, _kernel, _what in (
             "the weight gradient over data x space axes",
         )
     )
+
+
+# The model's own layout: a model annotated with mesh-axis names (nnx.with_partitioning(init, ("fsdp", "tensor")),
+# a PartitionSpec of data / fsdp / tensor, as Flax's guide writes it) keeps exactly those shardings; the batch goes
+# over data x fsdp unless the model's batch_axes name mesh axes themselves.
+_IDENTITY = {a: a for a in MESH_AXES}
+register_strategy(
+    Strategy(
+        "annotated",
+        _rules(**_IDENTITY),
+        _rules(batch=_DP_FSDP, **_IDENTITY),
+        description="the model's own annotations: a name that is a mesh axis shards over that axis, no rules table",
+        collectives="what the annotations imply, partitioned by GSPMD (see explain)",
+    )
+)
 
 
 #: Old names that keep working, each saying once per process that it is deprecated: the context-parallel

@@ -10,6 +10,8 @@ every mesh because threefry is partitionable (jax_threefry_partitionable, the de
 bit depends on its global index, not on which device draws it.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -185,6 +187,125 @@ def test_model_state_is_checkpointed_and_restored_onto_another_mesh(tmp_path):
     np.testing.assert_allclose(m_restored["loss"], m_direct["loss"], rtol=1e-5)
 
 
+# ------------------------------------------------------------------------------------- Flax's examples' style
+@dataclasses.dataclass(unsafe_hash=True)
+class MeshRules:
+    """As Flax's lm1b_nnx example writes it: each role -> the name its partitioning metadata carries."""
+
+    embed: str | None = None
+    mlp: str | None = None
+    kv: str | None = None
+    vocab: str | None = None
+
+    def __call__(self, *keys: str) -> tuple[str | None, ...]:
+        return tuple(getattr(self, key) for key in keys)
+
+
+LOGICAL = MeshRules(embed="embed", mlp="mlp", kv="kv", vocab="vocab")  # logical names: a strategy's tables map them
+ON_MESH = MeshRules(embed="fsdp", mlp="tensor", kv="tensor", vocab="tensor")  # the example's own: mesh axes
+
+
+class ExampleLM(nnx.Module):
+    """A causal transformer layer in the style of Flax's lm1b_nnx: Flax's own MultiHeadAttention whose 3-D kernels
+    carry two names (`('embed', 'kv')` for [embed, heads, head_dim], and for the [heads, head_dim, embed] output
+    projection too), its own rules object, `deterministic` / `decode` attributes, tied embeddings."""
+
+    def __init__(self, rules: MeshRules, rngs: nnx.Rngs, deterministic: bool = True, decode: bool = False):
+        self.deterministic, self.decode = deterministic, decode
+        init = nnx.initializers.xavier_uniform()
+        self.embed = nnx.Embed(VOCAB, EMBED, embedding_init=part(nnx.initializers.normal(1.0), rules("vocab", "embed")),
+                               rngs=rngs)  # fmt: skip
+        self.norm = nnx.LayerNorm(EMBED, scale_init=part(ONES, rules("embed")), use_bias=False, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=4, in_features=EMBED, qkv_features=EMBED, use_bias=False, broadcast_dropout=False,
+            dropout_rate=0.0, deterministic=deterministic, decode=decode, kernel_init=part(init, rules("embed", "kv")),
+            rngs=rngs,
+        )  # fmt: skip
+        self.up = nnx.Linear(EMBED, MLP, kernel_init=part(init, rules("embed", "mlp")), use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(MLP, EMBED, kernel_init=part(init, rules("mlp", "embed")), use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        x = x + self.attention(self.norm(x), mask=nnx.make_causal_mask(tokens), deterministic=self.deterministic)
+        x = x + self.down(nnx.relu(self.up(self.norm(x))))
+        return self.embed.attend(x)
+
+
+class UnnamedCNN(nnx.Module):
+    """A CNN with BatchNorm that names nothing, as most of Flax's examples write one."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(1, 8, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(nnx.relu(self.bn(self.conv(x))).mean(axis=(1, 2)))
+
+
+example_lm = lambda rules: lambda mesh, strategy: sk.sharded_init(lambda r: ExampleLM(rules, r), mesh, strategy)
+unnamed_cnn = lambda mesh, strategy: sk.sharded_init(UnnamedCNN, mesh, strategy)
+_REFERENCES = {}
+
+
+def reference(name, make, loss_fn, batch, axes=None):
+    """The one-device run of a model (computed once: three tests compare with it)."""
+    if name not in _REFERENCES:
+        _REFERENCES[name] = run(make, one_device_mesh(), "dp", loss_fn, batch, axes)
+    return _REFERENCES[name]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "spec", "query_shard", "out_shard"),
+    [("dp", "data=8", (32, 4, 8), (4, 8, 32)), ("fsdp", "data=2,fsdp=4", (8, 4, 8), (1, 8, 32)),
+     ("tp", "data=2,tensor=4", (32, 1, 8), (4, 2, 32)), ("fsdp_tp", "data=2,fsdp=2,tensor=2", (16, 2, 8), (2, 4, 32))],
+)  # fmt: skip
+def test_a_flax_example_style_transformer_trains_unmodified_at_parity(strategy, spec, query_shard, out_shard):
+    """Two names on 3-D kernels mean what they mean to Flax: the last dimension replicated. Shard shapes as the
+    rules say: query [embed, heads, head_dim] by (embed, kv); the output projection [heads, head_dim, embed] takes
+    the same two names, so its heads follow `embed` and its head_dim `kv`."""
+    ref = reference("lm", example_lm(LOGICAL), lm_loss, token_batch())
+    got = run(example_lm(LOGICAL), sk.make_mesh(spec), strategy, lm_loss, token_batch())
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    assert got[0][-1] < got[0][0]
+    assert_close(got[1], ref[1])
+    attention = got[3].params["attention"]
+    assert attention["query"]["kernel"].addressable_shards[0].data.shape == query_shard
+    assert attention["out"]["kernel"].addressable_shards[0].data.shape == out_shard
+    assert got[2].unnamed_params == []
+
+
+def test_a_model_annotated_with_mesh_axes_trains_as_annotated():
+    """The example's own rules name mesh axes (embed -> fsdp, kv -> tensor): strategy 'annotated' keeps them."""
+    ref = reference("lm", example_lm(LOGICAL), lm_loss, token_batch())
+    got = run(example_lm(ON_MESH), sk.make_mesh("data=2,fsdp=2,tensor=2"), "annotated", lm_loss, token_batch())
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    assert_close(got[1], ref[1])
+    assert tuple(got[3].params["attention"]["query"]["kernel"].sharding.spec) == ("fsdp", "tensor")
+    assert tuple(got[3].params["embed"]["embedding"].sharding.spec) == ("tensor", "fsdp")
+    with pytest.raises(sk.ShardkitError, match=r"'fsdp' is a mesh axis: .* strategy 'annotated'"):
+        example_lm(ON_MESH)(sk.make_mesh("data=2,fsdp=4"), "fsdp")
+
+
+@pytest.mark.parametrize(("strategy", "spec"), [("dp", "data=8"), ("fsdp", "data=2,fsdp=4")])
+def test_an_unnamed_cnn_with_batchnorm_trains_replicated_and_explain_lists_it(strategy, spec):
+    ref = reference("cnn", unnamed_cnn, image_loss, image_batch(), IMAGE_AXES)
+    got = run(unnamed_cnn, sk.make_mesh(spec), strategy, image_loss, image_batch(), IMAGE_AXES)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    assert_close(got[1], ref[1])
+    assert_close(jax.tree.map(np.asarray, got[3].model_state), jax.tree.map(np.asarray, ref[3].model_state))
+    step, state = got[2], got[3]
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.params))
+    report = sk.explain(step, step.abstract_state(), image_batch())
+    assert [p for p, *_ in report.unnamed_params] == ["bn/bias", "bn/scale", "conv/kernel", "head/bias", "head/kernel"]
+    assert any("5 parameters have no logical names and are replicated" in n for n in report.notes)
+    strict = sk.strategy(strategy).replace(strict_names=True)
+    with pytest.raises(sk.ShardkitError, match=r"'bn/bias' of shape \(8,\) has logical names None"):
+        unnamed_cnn(sk.make_mesh(spec), strict)
+    with pytest.raises(sk.ShardkitError, match=r"attention/key/kernel' of shape \(32, 4, 8\) has logical names"):
+        example_lm(LOGICAL)(sk.make_mesh(spec), strict)  # two names for three dimensions: refused when strict
+
+
 # ------------------------------------------------------------------------------------------------------- Linen
 class LinenMLP(nn.Module):
     @nn.compact
@@ -197,8 +318,10 @@ class LinenMLP(nn.Module):
 
 
 def linen_loss(model, batch):
-    # as Linen's apply: the collections a training call updates are named mutable
-    return sk.train.cross_entropy(model(batch["x"], train=True, mutable=["batch_stats"]), batch["label"])
+    # as Linen's apply: the collections a training call updates are named mutable, and come back with the output
+    logits, updates = model(batch["x"], train=True, mutable=["batch_stats"])
+    assert set(updates) == {"batch_stats"}
+    return sk.train.cross_entropy(logits, batch["label"])
 
 
 def linen_batch():
@@ -207,9 +330,18 @@ def linen_batch():
             "label": jnp.asarray(rng.integers(0, 10, 16), jnp.int32)}  # fmt: skip
 
 
-def test_linen_parameter_without_names_is_an_error_naming_it():
-    with pytest.raises(sk.ShardkitError, match=r"BatchNorm_0/bias' of shape \(64,\) has logical names None"):
-        sk.from_linen(LinenMLP(), jnp.zeros((2, EMBED)), one_device_mesh(), "dp")
+def test_linen_parameters_without_names_are_replicated_or_refused_when_strict():
+    """Flax's meaning: BatchNorm's unnamed scale and bias are replicated; strict_names restores the refusal."""
+    example, mesh = jnp.zeros((2, EMBED)), sk.make_mesh("data=2,fsdp=4")
+    model = sk.from_linen(LinenMLP(), example, mesh, "fsdp")
+    step = sk.make_train_step(model, optax.sgd(0.1), mesh, "fsdp", loss_fn=linen_loss, batch_axes=("batch",))
+    assert [p for p, *_ in step.unnamed_params] == ["BatchNorm_0/bias", "BatchNorm_0/scale", "Dense_0/kernel"]
+    assert tuple(step.param_shardings["BatchNorm_0"]["scale"].spec) == ()
+    assert tuple(step.param_shardings["w_in"].spec) == ("fsdp",)  # embed over fsdp, mlp replicated
+    out = model(example, train=False)  # no mutable: the output alone, as Linen's apply
+    assert out.shape == (2, 10)
+    with pytest.raises(sk.ShardkitError, match=r"BatchNorm_0/bias' of shape \(64,\) has logical names None.*strict"):
+        sk.from_linen(LinenMLP(), example, one_device_mesh(), sk.strategy("dp").replace(strict_names=True))
 
 
 def test_linen_module_with_named_norm_trains_like_one_device():
@@ -260,7 +392,14 @@ def test_errors_name_the_value_and_the_fix():
             self.w = nnx.Param(jnp.ones((4, 4)))
 
     with pytest.raises(sk.ShardkitError, match=r"'w' of shape \(4, 4\) has logical names None"):
-        sk.sharded_init(Unnamed, mesh, "dp")
+        sk.sharded_init(Unnamed, mesh, sk.strategy("dp").replace(strict_names=True))
+
+    class TooMany(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jnp.ones((4,)), logical_axes=("embed", "mlp"))
+
+    with pytest.raises(sk.ShardkitError, match=r"'w' of shape \(4,\) has logical names \('embed', 'mlp'\)"):
+        sk.sharded_init(TooMany, mesh, "dp")
 
 
 # ----------------------------------------------------------------------------------------------- kernel slots

@@ -2,7 +2,7 @@
 
 Rank r of the ring holds the query, key and value block of c = S/N tokens in a layout (layouts.py). Step t
 attends its queries to the key/value block that started on rank (r - t) mod N while that block travels on
-with `ppermute` (ALGORITHMS.md §3). Scores are never materialised beyond one [chunk_q, chunk_k] pair: the
+with `ppermute` (docs/algorithms.md §3). Scores are never materialised beyond one [chunk_q, chunk_k] pair: the
 per-device work is a scan over query chunks and key chunks with the online softmax (Milakov & Gimelshein
 1805.02867; FlashAttention, Dao et al. 2205.14135):
 

@@ -4,7 +4,7 @@ Each of P devices holds S/P tokens of every head. One all-to-all per tensor trad
 head split, [b, S/P, a, d] -> [b, S, a/P, d]; every device then runs exact attention over the full sequence
 for its a/P heads (the chunked online-softmax kernel of ring.py with a ring of one, so no [S, S] score
 matrix), and one inverse all-to-all returns [b, S/P, a, d]. Per-device traffic per layer: 4 S h / P elements
-(ALGORITHMS.md §4). Needs heads % P == 0; with kv_heads < P (or not divisible) the kv heads are repeated
+(docs/algorithms.md §4). Needs heads % P == 0; with kv_heads < P (or not divisible) the kv heads are repeated
 just enough, since each device must own whole kv groups.
 """
 

@@ -4,7 +4,7 @@ With P = U x R devices on the sequence, the sequence dimension is sharded over (
 ring-major, and laid out for a ring of R ranks. Per device: all-to-all over the Ulysses axis,
 [b, S/(RU), a, d] -> [b, S/R, a/U, d], which reassembles ring block r of the layout (any layout); ring attention
 over the ring axis on a/U heads; the inverse all-to-all. Ulysses' traffic shrinks with U, the ring's per-step
-block grows with U, so USP trades all-to-all volume against ring steps (ALGORITHMS.md §4).
+block grows with U, so USP trades all-to-all volume against ring steps (docs/algorithms.md §4).
 
     x_l = sk.attention.to_layout(x, "zigzag", mesh, axis="seq_r")    # layout over the R ring ranks
     o = sk.attention.usp_attention(q, k, v, mesh=mesh, ulysses_axis="seq_u", ring_axis="seq_r", layout="zigzag")

@@ -87,7 +87,7 @@ def _einsum(x: jax.Array, dispatch: jax.Array, combine: jax.Array, expert_fn: Ex
     """GSPMD's formulation, with Flaxformer's reshape idiom when the experts' mesh axis X also shards the groups.
 
     A plain constraint putting the experts on X (while the groups were on X) makes GSPMD replicate the dispatch
-    with all-gathers (ALGORITHMS.md §11). Instead the group dimension is reshaped to its shards (D, X, G_l) and
+    with all-gathers (docs/algorithms.md §11). Instead the group dimension is reshaped to its shards (D, X, G_l) and
     the experts to (X, E / X); re-pinning X from the groups' factor to the experts' factor is what GSPMD compiles
     to one all-to-all, and the reverse on the way back."""
     axes = _expert_axes(context)
