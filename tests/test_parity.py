@@ -102,6 +102,10 @@ def test_every_shipped_strategy_has_a_parity_test():
     # tests/test_sdp.py (per-worker reference; coverage 1 = dp), tests/test_hetero.py (= the even step; Whale's split
     # classifier = one device)
     covered |= {"sdp", "hetero_dp", "dp_split_head"}
+    import test_any_model
+
+    assert callable(test_any_model.test_a_model_annotated_with_mesh_axes_trains_as_annotated)
+    covered |= {"annotated"}  # tests/test_any_model.py: a Flax-example-style transformer annotated with mesh axes
     import test_moe
 
     covered |= _strategies_trained_by(test_moe.test_gpt_moe_training_equals_one_device)  # ep, ep_gspmd
