@@ -28,7 +28,10 @@ Saving and restoring are collective: in a multi-process run every process calls 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -102,6 +105,46 @@ class SaveError(ShardkitError):
     training should stop there rather than go on without a way back."""
 
 
+class QuietSaveFailures(logging.Filter):
+    """Drops orbax's own report of a failed background save: an ERROR line and a traceback from each of its save
+    threads (through absl's logger), printed before the Checkpointer's one-line SaveError, which names the reason
+    and the last good step and chains orbax's exception as its cause; and, at exit, asyncio's "Task exception was
+    never retrieved" for the same save's other writes."""
+
+    MARKS = ("background save thread", "_SignalingThread.run() raised", "Save Finalize thread")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if record.name == "asyncio":  # at exit: orbax's other writes of the failed save, never awaited
+            return not ("exception was never retrieved" in str(record.msg) and "orbax" in record.getMessage())
+        ours = f"{os.sep}orbax{os.sep}" in record.pathname
+        return not (ours and any(m in str(record.msg) for m in self.MARKS))
+
+
+def _quiet_unraisable(hook: Any) -> Any:
+    """`sys.unraisablehook` without the "Event loop is closed" tracebacks tensorstore's pending writes raise when a
+    failed save has closed orbax's event loop (one per pending write); everything else goes to `hook`."""
+
+    def quiet(unraisable: Any) -> None:
+        e = unraisable.exc_value
+        frames = [f.name for f in traceback.extract_tb(unraisable.exc_traceback)]
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and "call_soon_threadsafe" in frames):
+            hook(unraisable)
+
+    quiet.shardkit_quiet = True  # type: ignore[attr-defined]
+    return quiet
+
+
+def _quiet_orbax_failures() -> None:
+    """Installs both (once per process) the first time a Checkpointer is made."""
+    for logger in logging.getLogger("absl"), logging.getLogger("asyncio"):
+        if not any(isinstance(f, QuietSaveFailures) for f in logger.filters):
+            logger.addFilter(QuietSaveFailures())
+    if not getattr(sys.unraisablehook, "shardkit_quiet", False):
+        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
 class Checkpointer:
     """Checkpoints of a TrainState (plus a small JSON `meta` dict) in `directory/<step>/`, the last `keep` kept.
 
@@ -123,6 +166,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._pending: int | None = None  # the step an asynchronous save is writing
         self._failed: SaveError | None = None
+        _quiet_orbax_failures()  # a failed save is one SaveError line, not orbax's tracebacks above it
 
     # -------------------------------------------------------------------------------------------------- query
     def steps(self) -> list[int]:
