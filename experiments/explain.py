@@ -23,8 +23,9 @@ import ml_collections
 from absl import app, flags, logging
 
 import shardkit as sk
-from experiments import data, runtime, tasks
+from experiments import runtime, tasks
 from experiments import train as tr  # sets XLA_FLAGS (virtual CPU devices) before jax is imported
+from experiments.data import text
 from models.gpt import GPT
 from shardkit.explain import Report, explain
 
@@ -71,7 +72,7 @@ def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
     strategy.bind(mesh)
     tx, _ = tr.make_optimizer(config.optimizer, max(config.steps, config.optimizer.warmup_steps + 1))
     if lm:
-        model_cfg = tr.model_config(config, data.VOCAB_SIZE)
+        model_cfg = tr.model_config(config, text.VOCAB_SIZE)
         abstract = sk.abstract_model(lambda rngs: GPT(model_cfg, rngs=rngs), config.seed)
         step = sk.make_train_step(abstract, tx, mesh, strategy, microbatches=config.microbatches)
         tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=step.batch_sharding)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
 import sys
@@ -212,12 +211,3 @@ def loaded_config(flag: Any) -> Any:
         print(f"error: {config_error(e)}", file=sys.stderr)
         sys.exit(2)
     return config
-
-
-def save_json(result: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Writes a benchmark's result as indented JSON (creating its folder), says where, and returns the path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
-    return out

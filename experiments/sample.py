@@ -26,7 +26,7 @@ from absl import logging
 from flax import nnx
 
 import shardkit as sk
-from experiments.data import EOT, VOCAB_SIZE
+from experiments.data.text import EOT, VOCAB_SIZE
 from experiments.train import make_optimizer
 from models.gpt import GPT, GPTConfig
 from shardkit.checkpoint import Checkpointer

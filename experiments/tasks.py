@@ -1,8 +1,8 @@
 """The model families `experiments.train` trains, chosen by `config.task`: one small builder each.
 
-    lm                    models.gpt.GPT on byte tokens (experiments/data.py); its own loss and batch_axes
-    image_classification  models.resnet.ResNet on images (experiments/images.py), classification_loss
-    volume_regression     models.cosmoflow.CosmoFlow on generated cosmology volumes (experiments/volumes.py) or
+    lm                    models.gpt.GPT on byte tokens (experiments/data/text.py); its own loss and batch_axes
+    image_classification  models.resnet.ResNet on images (experiments/data/images.py), classification_loss
+    volume_regression     models.cosmoflow.CosmoFlow on generated cosmology volumes (experiments/data/volumes.py) or
                           a folder of .npy volumes + targets.npy; MSE against predicting the mean
     volume_segmentation   models.unet3d.UNet3D on generated volumes of labelled spheres and boxes; voxel accuracy, Dice
 
@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 import shardkit as sk
-from experiments import data, images, volumes
+from experiments.data import images, text, volumes
 from models import cosmoflow, unet3d
 from models.gpt import GPT, GPTConfig
 from models.resnet import BATCH_AXES, ResNet, ResNetConfig, classification_loss
@@ -52,7 +52,7 @@ class LMTask:
 
     config: ml_collections.ConfigDict
     model_cfg: GPTConfig
-    ds: data.TokenDataset
+    ds: text.TokenDataset
     kind = "lm"
     unit, short = "tokens", "tok"  # metrics.jsonl: tokens, tokens_per_s
     loss_fn = None  # GPT.loss
@@ -84,12 +84,12 @@ class LMTask:
 
     def train_batch(self, step: sk.TrainStep, s: int) -> dict[str, jax.Array]:
         c = self.config
-        return data.global_batch(self.ds, s, c.batch_size, c.seq_len, step.batch_sharding, seed=c.seed,
+        return text.global_batch(self.ds, s, c.batch_size, c.seq_len, step.batch_sharding, seed=c.seed,
                                  perm=self._layout(step))  # fmt: skip
 
     def val_batches(self, step: sk.TrainStep) -> list[dict[str, jax.Array]]:
         c = self.config
-        return data.val_batches(self.ds, c.eval_batches, c.batch_size, c.seq_len, step.batch_sharding,
+        return text.val_batches(self.ds, c.eval_batches, c.batch_size, c.seq_len, step.batch_sharding,
                                 self._layout(step))  # fmt: skip
 
     def describe(self, say: Callable[[str], None]) -> dict[str, Any]:
@@ -111,14 +111,14 @@ class LMTask:
 def _lm(config: ml_collections.ConfigDict) -> LMTask:
     try:
         d = config.data
-        ds = data.load_dataset(
+        ds = text.load_dataset(
             d.path or None,
             cache_dir=d.cache_dir or None,
             bin_dtype=np.dtype(d.bin_dtype),
             max_files=d.max_files or None,
         )
         for split, tokens in (("train", ds.train), ("val", ds.val)):  # the error names the split that is short
-            data.batch_offsets(len(tokens), 0, 0, config.seq_len, split=split)
+            text.batch_offsets(len(tokens), 0, 0, config.seq_len, split=split)
     except (OSError, ValueError) as e:
         raise sk.ShardkitError(f"data.path={config.data.path or '(stdlib)'}: {e}") from e
     return LMTask(config, model_config(config, ds.vocab_size), ds)

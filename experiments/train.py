@@ -50,7 +50,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
-from experiments import data, runtime  # noqa: F401  (tests patch experiments.train.data)
+from experiments import runtime
 from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
 from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)

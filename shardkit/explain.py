@@ -235,6 +235,8 @@ def explain(
     """
     with kernels.recording() as traced:  # kernels that issue their own collectives report them while traced
         compiled = step.lower(state, batch).compile()
+    # a step traced before (jax's trace cache: this lowering ran no Python) kept its kernels' reports itself
+    traced = traced or (step.kernel_calls(batch) if hasattr(step, "kernel_calls") else [])
     mesh = step.mesh
     sizes = dict(mesh.shape)
     platform = mesh.devices.flat[0].platform

@@ -124,7 +124,9 @@ class Traced:
     detail: Any = None  # the kernel's own record (a spatial halo exchange's plan, ...)
 
 
-_TRACED: contextvars.ContextVar[list[Traced] | None] = contextvars.ContextVar("shardkit_traced", default=None)
+_TRACED: contextvars.ContextVar[tuple[list[Traced], ...] | None] = contextvars.ContextVar(
+    "shardkit_traced", default=None
+)
 
 
 @contextlib.contextmanager
@@ -135,7 +137,7 @@ def recording() -> Iterator[list[Traced]]:
         step.lower(state, batch)
     """
     found: list[Traced] = []
-    token = _TRACED.set(found)
+    token = _TRACED.set((*(_TRACED.get() or ()), found))  # nested blocks: each collects what is traced in it
     try:
         yield found
     finally:
@@ -149,8 +151,7 @@ def is_recording() -> bool:
 
 def record(call: Traced) -> None:
     """Reports one kernel call to the enclosing `recording()` blocks' list (nothing outside one)."""
-    found = _TRACED.get()
-    if found is not None:
+    for found in _TRACED.get() or ():
         found.append(call)
 
 

@@ -296,17 +296,19 @@ class TrainStep(abc.ABC):
         m = self.microbatches if microbatches is None else microbatches
         leaves, treedef = jax.tree.flatten(batch)
         shapes = tuple(tuple(getattr(x, "shape", ())) for x in leaves)
-        first = (treedef, shapes, m) not in self._checked
-        if first:
-            self.check_batch(batch, m)
-            self._checked[treedef, shapes, m] = self.batch_shardings(batch)
-        # The model's own checks (`validate_batch`: the keys, ranks and dtypes its loss reads, on any batch,
-        # abstract ones included; the GPT's token ids in [0, vocab) on concrete ones): on a signature's first batch,
-        # and on every batch of host arrays (cheap; reading device arrays back would stall the asynchronous dispatch).
+        signature = (treedef, shapes, tuple(str(getattr(x, "dtype", "")) for x in leaves), m)
+        first = signature not in self._checked
+        # The model's own checks first (`validate_batch`: the keys, ranks and dtypes its loss reads, on any batch,
+        # abstract ones included; the GPT's token ids in [0, vocab) on concrete ones; it knows what its loss needs
+        # better than the names do): on a signature's first batch, and on every batch of host arrays (cheap;
+        # reading device arrays back would stall the asynchronous dispatch).
         validate = getattr(self.source_model, "validate_batch", None)
         if validate is not None and (first or any(isinstance(x, np.ndarray) for x in leaves)):
             validate(batch)
-        return (treedef, tuple(map(len, shapes))), self._checked[treedef, shapes, m]
+        if first:  # a batch structure, shapes and dtypes not seen before: the layout checks, once
+            self.check_batch(batch, m)
+            self._checked[signature] = self.batch_shardings(batch)
+        return (treedef, tuple(map(len, shapes))), self._checked[signature]
 
     def prepare(self, batch: Batch) -> Batch:
         """The batch as the compiled step (`lower(...).compile()`) takes it: unchanged here; a step that lays the
@@ -317,8 +319,15 @@ class TrainStep(abc.ABC):
     def jit(self, key: Any, shardings: Any) -> Any:
         """`step_fn` (and `eval_fn`) jitted for one batch structure and its shardings, cached under `key`."""
         if ("step", key) not in self.cache:
+
+            def traced(state: TrainState, batch: Batch) -> Any:  # keeps what kernels report while traced
+                with kernels.recording() as calls:
+                    out = self.step_fn(state, batch)
+                self.cache["kernel calls", key] = list(calls)
+                return out
+
             self.cache["step", key] = jax.jit(
-                self.step_fn,
+                traced,
                 in_shardings=(self.state_shardings, shardings),
                 out_shardings=(self.state_shardings, self.replicated),
                 donate_argnums=(0,) if self.donate else (),
@@ -337,6 +346,11 @@ class TrainStep(abc.ABC):
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         return self.jit(*self.prepared(batch)).lower(state, batch)
+
+    def kernel_calls(self, batch: Batch) -> list[kernels.Traced]:
+        """What the kernels reported while the step for `batch`'s signature was traced (its own collectives:
+        spatial halos, ...); jax traces a step once per signature, so this outlives later lowerings' cache hits."""
+        return list(self.cache.get(("kernel calls", self.prepared(batch)[0]), []))
 
     def eval_loss(self, params: dict[str, Any] | TrainState, batch: Batch) -> jax.Array:
         """The loss in evaluation mode (`model.eval()`: running BatchNorm statistics, no dropout)."""

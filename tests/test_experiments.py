@@ -33,6 +33,7 @@ import shardkit as sk
 from experiments import plot, sample
 from experiments import train as tr
 from experiments.configs import gpt_tiny
+from experiments.data import text
 from models.gpt import GPTConfig
 from shardkit.checkpoint import TMP_MARKER, Checkpointer, NonFiniteError, tmp_dirs
 
@@ -233,14 +234,14 @@ def test_sigkill_during_a_save_then_resume(tmp: Path) -> None:
 
 def test_sigterm_checkpoints_and_stops(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Preemption: SIGTERM (raised here while batch 3 is read) finishes that step, checkpoints it and stops."""
-    read = tr.data.global_batch
+    read = text.global_batch
 
     def read_and_signal(ds: Any, step: int, *args: Any, **kwargs: Any) -> Any:
         if step == 3:
             signal.raise_signal(signal.SIGTERM)
         return read(ds, step, *args, **kwargs)
 
-    monkeypatch.setattr(tr.data, "global_batch", read_and_signal)
+    monkeypatch.setattr(text, "global_batch", read_and_signal)
     out = tr.train(make_config(tmp, "preempted"))
     assert (out["stopped"], out["step"]) == ("SIGTERM", 4)
     assert Checkpointer(tmp / "runs" / "preempted" / "checkpoints").steps() == [4]
@@ -268,11 +269,11 @@ def test_sample_returns_text(full: dict[str, Any]) -> None:
 
 
 def test_the_prepared_gpu_check_runs_its_smoke_shapes_here(tmp_path):
-    """experiments/bench_gpu.py is what a lent GPU runs, once: its --smoke mode runs every path on this CPU.
+    """experiments/bench/bench_gpu.py is what a lent GPU runs, once: its --smoke mode runs every path on this CPU.
     cuDNN is refused with shardkit's error (recorded, not a crash); the bf16 GPT trains with dense attention;
     the ring kernel on one device equals dense attention in bf16 (within bf16's 2^-8 per rounding, a few of them
     on outputs of size ~1: asserted 0.05, observed 0.016)."""
-    from experiments import bench_gpu
+    from experiments.bench import bench_gpu
 
     out = tmp_path / "gpu.json"
     bench_gpu.main(["--smoke", "--models", "gpt_350m", "--out", str(out)])

@@ -146,7 +146,7 @@ def test_gpt_moe_training_equals_one_device(name, spec):
     cap = sk.moe.capacity(16, CFG.num_experts, CFG.top_k, CFG.capacity_factor)
     local = 16 // (8 // (2 if name == "ep_tp" else 1))
     assert {c.result_bytes for c in a2a} == {CFG.num_experts * local * cap * CFG.d_model * 4}
-    # no activation all-gather (GSPMD's pitfall with a plain constraint on the experts: ALGORITHMS.md §11)
+    # no activation all-gather (GSPMD's pitfall with a plain constraint on the experts: docs/jax_pitfalls.md §14)
     # (over `expert`: fsdp's parameter all-gathers are over fsdp)
     gathers = [c for c in colls if c.kind == "all-gather" and "expert" in c.axes and c.result_bytes >= 2 * 16 * 32]
     assert not gathers, gathers

@@ -250,6 +250,50 @@ def test_a_full_disk_stops_the_run_naming_the_last_good_checkpoint(tmp_path, mon
     assert (resumed["start_step"], resumed["step"]) == (4, 16)
 
 
+def test_orbax_reports_of_a_failed_save_are_left_to_the_one_save_error():
+    """On a real full disk (a 3 MB tmpfs, by hand: `mount -t tmpfs -o size=3M tmpfs /mnt/x`, then
+    `python -m experiments.train --config.run_dir=/mnt/x/runs --config.ckpt_every=5`) orbax logged an ERROR line and
+    a traceback from each save thread, asyncio one per unawaited write at exit, and tensorstore's callbacks one
+    "Event loop is closed" traceback per pending write: 553 lines above the SaveError. Now stderr is that one line.
+    Here the same records, as orbax and asyncio make them, go through the filters the Checkpointer installs."""
+    import logging
+    import types
+
+    from shardkit import checkpoint
+
+    quiet = checkpoint.QuietSaveFailures()
+
+    def record(name, path, msg, level=logging.ERROR):
+        return logging.LogRecord(name, level, path, 1, msg, None, None)
+
+    orbax = "/venv/site-packages/orbax/checkpoint/_src/"
+    signal = "[process=0] _SignalingThread.run() raised an exception: RESOURCE_EXHAUSTED"
+    commit = "Failed to run 4 Handler Commit operations ... in background save thread"
+    unawaited = "Task exception was never retrieved\nfuture: <Task coro=<async_serialize_from_host() at /orbax/x.py>>"
+    assert not quiet.filter(record("absl", orbax + "futures/future.py", signal))
+    assert not quiet.filter(record("absl", orbax + "checkpointers/async_checkpointer.py", commit))
+    assert not quiet.filter(record("asyncio", "/py/asyncio/base_events.py", unawaited))
+    assert quiet.filter(record("absl", orbax + "checkpoint_manager.py", "Saving checkpoint at step 5", logging.INFO))
+    assert quiet.filter(record("absl", "/mine/train.py", "Failed to run ... background save thread"))  # not orbax's
+    assert quiet.filter(record("asyncio", "/py/asyncio/base_events.py", "Task exception was never retrieved\nmine"))
+    seen = []
+    hook = checkpoint._quiet_unraisable(seen.append)
+
+    def closed_loop():
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+        loop.close()
+        loop.call_soon_threadsafe(print)
+
+    for fn, swallowed in ((closed_loop, True), (lambda: 1 / 0, False)):
+        try:
+            fn()
+        except Exception as e:
+            hook(types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=e.__traceback__, object=None))
+            assert len(seen) == (0 if swallowed else 1)
+
+
 def test_distributed_without_a_cluster_or_with_a_taken_port_is_an_error(monkeypatch):
     from experiments import runtime
 
@@ -355,17 +399,17 @@ def test_every_model_checks_the_batch_its_loss_reads():
 
 
 def test_a_token_file_read_with_the_wrong_width_is_refused(tmp_path):
-    from experiments import data
+    from experiments.data import text
 
     tokens = np.random.default_rng(0).integers(0, 300, 10_000)
     tokens.astype(np.uint16).tofile(tmp_path / "u16.bin")
     tokens.astype(np.uint32).tofile(tmp_path / "u32.bin")
     with pytest.raises(ValueError, match=r"likely a uint16 file .* set data\.bin_dtype=uint16"):
-        data.load_dataset(tmp_path / "u16.bin", bin_dtype=np.uint32)
+        text.load_dataset(tmp_path / "u16.bin", bin_dtype=np.uint32)
     with pytest.raises(ValueError, match=r"likely a uint32 file read as uint16: set data\.bin_dtype=uint32"):
-        data.load_dataset(tmp_path / "u32.bin", bin_dtype=np.uint16)
+        text.load_dataset(tmp_path / "u32.bin", bin_dtype=np.uint16)
     for name, dt in (("u16.bin", np.uint16), ("u32.bin", np.uint32)):  # the right widths load
-        assert data.load_dataset(tmp_path / name, bin_dtype=dt).vocab_size == 300
+        assert text.load_dataset(tmp_path / name, bin_dtype=dt).vocab_size == 300
 
 
 def test_a_short_token_file_names_the_split_that_is_short(tmp_path):

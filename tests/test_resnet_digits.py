@@ -36,9 +36,10 @@ from flax import nnx
 from test_experiments import metrics
 
 import shardkit as sk
-from experiments import images, plot
+from experiments import plot
 from experiments import train as tr
 from experiments.configs import resnet_digits
+from experiments.data import images
 from models.resnet import BATCH_AXES, ResNet, ResNetConfig, classification_loss
 
 CFG = ResNetConfig(widths=(4, 8), blocks=(1, 1), dropout=0.25)  # stage 2: stride 2 + 1x1 projection

@@ -93,7 +93,7 @@ def test_halo_kernels_equal_one_device(dims: int) -> None:
             return out
 
         # The reference runs alone on one device: compiled next to the shard_map, GSPMD would propagate the
-        # spatial sharding into it, and its partitioned overlapping max pool is wrong on XLA:CPU (JAX_NOTES; seen
+        # spatial sharding into it; its sharded overlapping max pool is wrong on XLA:CPU (docs/jax_pitfalls.md §13; seen
         # here in the forward pass too, at a corner of a 2-dimension split).
         one = jax.devices()[0]
         want = jax.jit(run, static_argnums=2)(jax.device_put(x, one), jax.device_put(ws, one), False)
@@ -163,7 +163,7 @@ def test_bad_splits_are_errors_naming_the_layer() -> None:
 
 
 def test_gspmd_refuses_an_overlapping_max_pool_on_a_split_dimension() -> None:
-    """XLA:CPU's GSPMD gradient of it is wrong (JAX_NOTES); the xla pool kernel says so and names the fix."""
+    """XLA:CPU's GSPMD gradient of it is wrong (docs/jax_pitfalls.md §13); the xla kernel says so and names the fix."""
     mesh = sk.make_mesh("data=2,space=4")
     rules = sk.strategy("spatial_dp").bind(mesh).compute_rules
     x = jnp.ones((2, 8, 4, 4, 1))
@@ -325,6 +325,26 @@ def test_per_group_batchnorm_equals_its_one_device_form(references: dict) -> Non
     _assert_close(got["params"], want["params"], 1e-10)
     _assert_close(got["stats"], want["stats"], 1e-10)
     assert abs(got["losses"][1] - references["unet3d"]["losses"][1]) > 1e-6  # not the global statistics
+
+
+def test_explain_adds_the_halo_kernels_reported_permutes_for_a_model_without_a_cost_hook() -> None:
+    """The U-Net has no cost hook: explain predicts from the rules tables, plus the permutes the halo kernels
+    report while traced (sk.kernels.recording), which equal the compiled ones; also when the step was lowered
+    before (jax's trace cache runs no Python then: the step kept the reports of its first trace)."""
+    mesh = sk.make_mesh("data=2,space=4")
+    step = sk.make_train_step(sk.abstract_model(lambda r: UNet3D(UNet3DConfig(widths=(4, 8)), rngs=r)),
+                              optax.sgd(0.1), mesh, "spatial_dp_halo")  # fmt: skip
+    batch = {"volume": jax.ShapeDtypeStruct((4, 16, 16, 16, 1), jnp.float32),
+             "label": jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.int32)}  # fmt: skip
+    with spatial.recording() as layers:
+        step.lower(step.abstract_state(), batch)
+    assert len(layers) == 9  # every halo conv / pool of the net traced once
+    report = sk.explain(step, step.abstract_state(), batch)
+    (row,) = [r for r in report.rows() if r["kind"] == "collective-permute"]
+    assert row["axes"] == ["space"] and row["count"] == row["predicted_count"]
+    assert row["bytes_sent"] == row["predicted_bytes"]
+    source = "9 kernel calls' own collectives, as traced (shardkit.parallel.spatial.halo_bytes)"
+    assert source in report.prediction_source
 
 
 def test_cost_model_predicts_the_compiled_halos_and_plans_spatial_splits() -> None:

@@ -1,4 +1,4 @@
-"""Tests for experiments/volumes.py: blocks equal slices of whole samples bitwise, statistics follow parameters,
+"""Tests for experiments/data/volumes.py: blocks equal slices of whole samples bitwise, statistics follow parameters,
 sharded global batches generate only their blocks, users' .npy volumes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments import volumes as vol
+from experiments.data import volumes as vol
 
 S = 32  # the default size
 

@@ -84,7 +84,7 @@ def get_config() -> ml_collections.ConfigDict:
     o.weight_decay = 0.1  # decoupled; not applied to norm scales
     o.grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
 
-    # --- data (experiments/data.py): byte tokens of the Python stdlib unless data.path is set
+    # --- data (experiments/data/text.py): byte tokens of the Python stdlib unless data.path is set
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # text file / directory / glob, nanoGPT dir with train.bin+val.bin, or a .bin file
     c.data.bin_dtype = "uint16"  # token dtype of .bin files

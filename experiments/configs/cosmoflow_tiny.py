@@ -23,7 +23,7 @@ def volume_config(task: str, name: str) -> ml_collections.ConfigDict:
     for key in ("seq_len", "pipeline"):
         del c[key]
     c.data = ml_collections.ConfigDict()
-    c.data.path = ""  # "" = generated (experiments/volumes.py); or a folder of .npy volumes + targets.npy
+    c.data.path = ""  # "" = generated (experiments/data/volumes.py); or a folder of .npy volumes + targets.npy
     c.data.size = 32  # generated volumes: size^3 voxels
     c.data.train_size = 2048  # distinct generated training samples (validation comes from another stream)
     c.data.seed = 0  # the generated data's own seed (`seed` changes init and batch order)

@@ -32,7 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.bn_momentum = 0.9
     m.dtype = "float32"
 
-    # --- data (experiments/images.py): bundled with scikit-learn, nothing downloaded
+    # --- data (experiments/data/images.py): bundled with scikit-learn, nothing downloaded
     c.data = ml_collections.ConfigDict()
     c.data.name = "digits"  # sklearn.datasets.load_digits: 1797 images 8x8x1, 10 classes
     c.data.val_size = 320  # held out by a fixed permutation (split_seed), the rest (1477) is train

@@ -31,7 +31,6 @@ extent, ...) is a `ShardkitError` naming the layer, before XLA sees it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
@@ -194,23 +193,21 @@ class Exchange:
         return sum(b for _, b in self.sends)
 
 
-_RECORD: contextvars.ContextVar[list[Exchange] | None] = contextvars.ContextVar("shardkit_spatial", default=None)
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[list[Exchange]]:
-    """Collects an `Exchange` for every halo conv / pool traced in this block: the cost model's halo bytes.
+    """Collects an `Exchange` for every halo conv / pool traced in this block: the cost model's halo bytes (the
+    halo kernels' part of what `sk.kernels.recording()` collects for `sk.explain`).
 
     with sk.spatial.recording() as layers:
         step.lower(state, batch)
     forward = sum(e.bytes for e in layers)   # per device; the backward pass sends the same again
     """
     found: list[Exchange] = []
-    token = _RECORD.set(found)
-    try:
-        yield found
-    finally:
-        _RECORD.reset(token)
+    with kernels.recording() as calls:
+        try:
+            yield found
+        finally:
+            found += [c.detail for c in calls if isinstance(c.detail, Exchange)]
 
 
 def _differentiated(x: Any) -> bool:
@@ -223,16 +220,12 @@ def _differentiated(x: Any) -> bool:
 
 
 def _record(op: str, plan: Plan, x: jax.Array, batch_degree: int) -> None:
-    """Reports the exchange to `recording()` and to `sk.kernels.recording()` (what `sk.explain` reads)."""
-    found = _RECORD.get()
-    if found is None and not kernels.is_recording():
-        return
-    exchange = Exchange(plan.name, op, plan, tuple(halo_bytes(plan, x.shape, batch_degree, x.dtype.itemsize)),
-                        _differentiated(x))  # fmt: skip
-    if found is not None:
-        found.append(exchange)
-    kernels.record(kernels.Traced(op, plan.name, "collective-permute", exchange.sends, exchange.backward,
-                                  "shardkit.parallel.spatial.halo_bytes", exchange))  # fmt: skip
+    """Reports the exchange to `sk.kernels.recording()` (what `sk.explain` and `recording()` read)."""
+    if kernels.is_recording():
+        sends = tuple(halo_bytes(plan, x.shape, batch_degree, x.dtype.itemsize))
+        exchange = Exchange(plan.name, op, plan, sends, _differentiated(x))
+        kernels.record(kernels.Traced(op, plan.name, "collective-permute", sends, exchange.backward,
+                                      "shardkit.parallel.spatial.halo_bytes", exchange))  # fmt: skip
 
 
 def _exchange(x: jax.Array, dim: int, axis: str, size: int, low: int, high: int, fill: float) -> jax.Array:

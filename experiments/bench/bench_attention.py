@@ -1,6 +1,6 @@
 """Benchmark the context-parallel attentions on 8 CPU devices: memory, time, causal balance, a peer kernel.
 
-    python -m experiments.bench_attention [--out experiments/results/bench_attention.json]
+    python -m experiments.bench.bench_attention [--out experiments/bench/results/bench_attention.json]
         [--mem-seqs 4096,8192,16384,32768] [--time-seqs 2048,4096,8192,16384] [--dense-max 8192] [--reps 5]
 
 Causal attention, fwd + bwd (the vjp of the output w.r.t. q, k, v), fp32, batch 1, 8 heads of 32, chunks of
@@ -35,9 +35,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
+import functools
 import importlib.util
 import pathlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import shardkit as sk
-from experiments.runtime import save_json
+from experiments.bench.timing import RESULTS, save_json, time_interleaved
 from shardkit.attention.layouts import layout_perm
 from shardkit.attention.ring import chunk_size
 
@@ -109,19 +109,6 @@ def memory(seq: int) -> dict[str, float]:
     return out
 
 
-def timed(programs: dict[str, tuple[Callable[..., Any], tuple]], reps: int) -> dict[str, tuple[float, Any]]:
-    """name -> (fastest of `reps` runs, output). Runs interleave across programs, so that load from other work
-    on this shared host hits all of them alike, and the fastest run is the least disturbed one."""
-    outs = {name: jax.block_until_ready(fn(*args)) for name, (fn, args) in programs.items()}  # compile, warm up
-    best = dict.fromkeys(programs, float("inf"))
-    for _ in range(reps):
-        for name, (fn, args) in programs.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            best[name] = min(best[name], time.perf_counter() - t)
-    return {name: (best[name], outs[name]) for name in programs}
-
-
 def rel_diff(a: Any, b: Any) -> float:
     pairs = zip(map(np.asarray, a), map(np.asarray, b), strict=True)
     return max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in pairs)
@@ -170,23 +157,26 @@ def timing(seq: int, reps: int, peer: Any, dense_max: int) -> dict[str, Any]:
             kernels[f"ringattention_pkg@{chunk}"] = ("seq=8", "contiguous", peer_kernel(peer, seq, chunk))
     programs = {}
     if seq <= dense_max:
-        programs["dense_1dev"] = (jax.jit(fwd_bwd(dense)), jax.device_put((q, k, v, do), jax.devices()[0]))
+        programs["dense_1dev"] = functools.partial(
+            jax.jit(fwd_bwd(dense)), *jax.device_put((q, k, v, do), jax.devices()[0])
+        )
     placed = {}
     for name, (spec, layout, attn) in kernels.items():
         fn, sharding = sharded_program(spec, attn)
         placed[name] = (layout, sharding.mesh, "seq_r" if "seq_r" in spec else "seq")
         to = lambda x, p=placed[name]: sk.attention.to_layout(x, *p)
-        programs[name] = (fn, tuple(jax.device_put(to(x), sharding) for x in (q, k, v, do)))
-    results = timed(programs, reps)
-    outs = {name: [sk.attention.from_layout(x, *placed[name]) for x in out] for name, (_, out) in results.items()
+        programs[name] = functools.partial(fn, *(jax.device_put(to(x), sharding) for x in (q, k, v, do)))
+    # the fastest of `reps` runs after a warm-up (the least disturbed one), the runs alternating between kernels
+    results = time_interleaved(programs, reps)
+    outs = {name: [sk.attention.from_layout(x, *placed[name]) for x in r.out] for name, r in results.items()
             if name in placed}  # fmt: skip
     if "dense_1dev" in results:
-        t_ref, ref, ref_name = results["dense_1dev"][0], results["dense_1dev"][1], "dense_1dev"
+        t_ref, ref, ref_name = results["dense_1dev"].best, results["dense_1dev"].out, "dense_1dev"
     else:
         t_ref, ref, ref_name = None, outs["ring:contiguous"], "ring:contiguous"
     rows: dict[str, Any] = {"dense_1dev_s": t_ref, "numerics_reference": ref_name}
     for name, out in outs.items():
-        t = results[name][0]
+        t = results[name].best
         rows[name] = {"s": t, "vs_dense_1dev": t / t_ref if t_ref else None, "rel_diff": rel_diff(out, ref)}
     if peer is not None:
         ours = lambda c: rows["ring:contiguous" if c == CHUNK else f"ring:contiguous@{c}"]["s"]
@@ -249,7 +239,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="experiments/results/bench_attention.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_attention.json")
     parser.add_argument("--mem-seqs", default="4096,8192,16384,32768")
     parser.add_argument("--time-seqs", default="2048,4096,8192,16384")
     parser.add_argument("--dense-max", type=int, default=8192, help="largest S timed with the dense 1-device reference")

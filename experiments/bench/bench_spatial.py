@@ -1,6 +1,7 @@
 """Benchmark spatial parallelism for 3D CNNs on 8 CPU devices: memory vs spatial degree, explicit vs GSPMD halos.
 
-    python -m experiments.bench_spatial [--out experiments/results/bench_spatial.json] [--reps 3] [--sizes 32,64,128]
+    python -m experiments.bench.bench_spatial [--out experiments/bench/results/bench_spatial.json] [--reps 3]
+        [--sizes 32,64,128]
 
 1. memory: per-device XLA temporaries (`memory_analysis().temp_size_in_bytes`) of fwd + bwd of a 3-block conv
    trunk (conv3d k=3, 8 -> 16 -> 16 channels, ReLU, 2^3 max pool; batch 1) through the explicit halo kernels,
@@ -24,9 +25,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
-import json
-import pathlib
-import time
 from typing import Any
 
 import jax
@@ -35,6 +33,7 @@ import numpy as np
 import optax
 
 import shardkit as sk
+from experiments.bench.timing import RESULTS, save_json, time_calls
 from models.cosmoflow import CosmoFlow, CosmoFlowConfig
 from shardkit import hlo
 
@@ -92,15 +91,10 @@ def step_row(spec: str, strategy: str, reps: int, batch: dict[str, np.ndarray]) 
     with sk.spatial.recording() as layers:
         lowered = step.lower(state, placed)
     compiled = lowered.compile()
-    jax.block_until_ready(compiled(state, placed))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(state, placed))
-        times.append(time.perf_counter() - t0)
+    step_s = time_calls(lambda: compiled(state, placed), reps).best  # the same state each time (donate=False)
     colls = hlo.collectives(compiled, mesh)
     permutes = [c for c in colls if c.kind == "collective-permute"]
-    row = dict(mesh=spec, strategy=strategy, step_s=min(times),
+    row = dict(mesh=spec, strategy=strategy, step_s=step_s,
                permute_count=sum(c.count for c in permutes), permute_bytes=sum(c.bytes_sent for c in permutes),
                all_reduce_count=sum(c.count for c in colls if c.kind == "all-reduce"),
                all_reduce_bytes=sum(c.bytes_sent for c in colls if c.kind == "all-reduce"),
@@ -118,7 +112,7 @@ def step_row(spec: str, strategy: str, reps: int, batch: dict[str, np.ndarray]) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="experiments/results/bench_spatial.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_spatial.json")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sizes", default="32,64,128", help="cube sizes of the memory table")
     parser.add_argument("--budget_gib", type=float, default=16.0, help="per-device memory budget (V100: 16 GiB)")
@@ -179,13 +173,10 @@ def main() -> None:
     plan_rows = [dict(strategy=p.strategy, mesh=p.mesh, comm_ms=p.comm_time_s * 1e3, fits=p.fits, reason=p.reason,
                       memory_gib=p.memory["total"] / 2**30) for p in plans[:20]]  # fmt: skip
 
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     setup = dict(devices=jax.device_count(), backend=jax.default_backend(), jax=jax.__version__, trunk=TRUNK,
                  cosmoflow=str(COSMO), batch=BATCH, reps=args.reps, budget_gib=args.budget_gib)  # fmt: skip
     report = {"setup": setup, "memory": mem, "fits": fits, "steps": rows, "plans": plan_rows}
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    save_json(report, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Heterogeneous devices (Whale, Jia et al. ATC'22; shardkit/parallel/hetero.py): work saved and simulated speed-ups.
 
-    python -m experiments.bench_hetero [--steps 20] [--out experiments/results/bench_hetero.json]
+    python -m experiments.bench.bench_hetero [--steps 20] [--out experiments/bench/results/bench_hetero.json]
 
 1. MEASURED, 8 CPU devices in one process: the same uneven split of one global batch run as per-device trip
    counts (`mode="loop"`: device d runs counts[d] micro-batches) and as pad-and-mask (`mode="pad"`: every device
@@ -23,16 +23,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
-import json
-import pathlib
-import statistics
-import time
 
 import jax
-import numpy as np
 import optax
 
 import shardkit as sk
+from experiments.bench.timing import RESULTS, gpt_batch, save_json, time_steps
 from models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=256, vocab_size=128,
@@ -40,31 +36,17 @@ CFG = GPTConfig(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=
 COUNTS, MICRO = [6, 6, 4, 4, 2, 2, 4, 4], 2  # 32 micro-batches of 2 sequences (an uneven split: max 6, mean 4)
 
 
-def _time(step, state, batch, steps: int) -> tuple[float, float]:
-    state, m = step(state, batch)  # compile + first step
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), float(m["loss"])
-
-
 def measured(steps: int) -> list[dict]:
     mesh = sk.make_mesh({"data": 8})
-    rng = np.random.default_rng(0)
-    toks = rng.integers(0, CFG.vocab_size, (sum(COUNTS) * MICRO, 65))
-    batch = {"inputs": toks[:, :-1].astype(np.int32), "targets": toks[:, 1:].astype(np.int32)}
+    batch = gpt_batch(CFG.vocab_size, sum(COUNTS) * MICRO, 64)  # host arrays: each step places them
     runs = {"dp (even)": "dp", "trip counts": sk.hetero.strategy(COUNTS, MICRO, mode="loop"),
             "pad + mask": sk.hetero.strategy(COUNTS, MICRO, mode="pad")}  # fmt: skip
     out = []
     for name, strategy in runs.items():
         model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy, seed=0)
         step = sk.make_train_step(model, optax.sgd(0.1), mesh, strategy)
-        t, loss = _time(step, step.init_state(), batch, steps)
-        out.append(dict(run=name, step_s=t, loss=loss))
+        timing, _, metrics = time_steps(step, step.init_state(), batch, steps)  # the warm-up step compiles
+        out.append(dict(run=name, step_s=timing.median, loss=float(metrics["loss"])))
     base = next(r for r in out if r["run"] == "trip counts")["step_s"]
     work = {"trip counts": sum(COUNTS), "pad + mask": max(COUNTS) * len(COUNTS), "dp (even)": sum(COUNTS)}
     print(f"\nmeasured: GPT {CFG.num_layers} x {CFG.d_model}, counts {COUNTS} x {MICRO} sequences of 64, 8 CPU devices")
@@ -105,15 +87,13 @@ def simulated() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", default="experiments/results/bench_hetero.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_hetero.json")
     args = parser.parse_args()
     result = dict(measured=measured(args.steps), simulated=simulated(), counts=COUNTS, microbatch=MICRO,
                   model=CFG.__dict__, devices=jax.device_count(),
                   whale_reported="1.2-1.4x (ATC'22 / Alibaba)")  # fmt: skip
-    path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=str))
-    print(f"\nwrote {path}")
+    print()
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark the pipeline schedules on 8 CPU devices: step time, bubble, compiled temp memory.
 
-    python -m experiments.bench_pipeline [--out experiments/results/bench_pipeline.json] [--reps 3]
+    python -m experiments.bench.bench_pipeline [--out experiments/bench/results/bench_pipeline.json] [--reps 3]
 
 Model: the GPT of models/ with 8 layers of width 64, batch 32 x 32 tokens, fp32, SGD. Pipelines run `pp_dp` on
 mesh stage=4 x data=2 for each schedule (gpipe, 1f1b, circular with v=2) and m in {4, 8, 16} pipeline
@@ -24,17 +24,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
-import json
-import pathlib
-import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 import shardkit as sk
+from experiments.bench.timing import RESULTS, compile_timed, gpt_batch, save_json, time_calls
 from models.gpt import GPT, GPTConfig
 from shardkit import hlo, pipeline
 
@@ -49,28 +45,19 @@ def measure(spec: str, strategy: sk.Strategy, reps: int) -> dict[str, Any]:
     model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy)
     step = sk.make_train_step(model, optax.sgd(0.1), mesh, strategy, donate=False)
     state = step.init_state()
-    toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (BATCH, SEQ + 1))
-    batch = {"inputs": jnp.asarray(toks[:, :-1], jnp.int32), "targets": jnp.asarray(toks[:, 1:], jnp.int32)}
-    batch = jax.device_put(batch, step.batch_sharding)
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(state, batch))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(state, batch))
-        times.append(time.perf_counter() - t0)
+    batch = gpt_batch(CFG.vocab_size, BATCH, SEQ, step.batch_sharding)
+    compiled, lower_s, compile_s = compile_timed(step, state, batch)
+    step_s = time_calls(lambda: compiled(state, batch), reps).best  # the same state each time (donate=False)
     temp = compiled.memory_analysis().temp_size_in_bytes
     colls = hlo.collectives(compiled, mesh)
     red = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter") and set(c.axes) & {"data", "fsdp"}]
     reduce = sum(c.bytes_sent for c in red)
-    return {"step_s": min(times), "compile_s": compile_s, "temp_bytes": int(temp), "grad_reduce_bytes": reduce}
+    return {"step_s": step_s, "compile_s": lower_s + compile_s, "temp_bytes": int(temp), "grad_reduce_bytes": reduce}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="experiments/results/bench_pipeline.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_pipeline.json")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--microbatches", default="4,8,16")
     args = parser.parse_args()
@@ -103,8 +90,6 @@ def main() -> None:
                 flush=True,
             )
     print(f"    fsdp step {base['step_s'] * 1e3:.1f} ms, temp {base['temp_bytes'] / 2**20:.2f} MiB")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     setup = {
         "model": CFG.__dict__,
         "batch": BATCH,
@@ -112,8 +97,7 @@ def main() -> None:
         "mesh": f"stage={STAGES},data=2",
         "jax": jax.__version__,
     }
-    out.write_text(json.dumps({"setup": setup, "fsdp": base, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    save_json({"setup": setup, "fsdp": base, "rows": rows}, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark every built-in strategy on 8 CPU devices: state memory, temp memory, collective bytes, step time.
 
-    python -m experiments.bench_strategies [--out experiments/results/bench_strategies.json] [--steps N]
+    python -m experiments.bench.bench_strategies [--out experiments/bench/results/bench_strategies.json] [--steps N]
 
 One GPT (~8M parameters, AdamW, fp32), batch 16 x 128 tokens, on 8 virtual CPU devices, under each strategy on
 its usual mesh, plus the same model on one device (mesh data=1, dp) as the reference. Per strategy:
@@ -11,7 +11,7 @@ its usual mesh, plus the same model on one device (mesh data=1, dp) as the refer
    and under tp / tp_sp the RMSNorm scales (they have only an `embed` dimension, which tp does not shard).
 2. temp / arg: `compiled.memory_analysis()` per device (XLA's scratch and argument buffers).
 3. comm: ring bytes sent per device per step, summed over the collectives of the compiled HLO (shardkit.hlo),
-   against the cost model's prediction (`models.gpt_cost.strategy_comms`, ALGORITHMS.md §1): `ideal` counts a
+   against the cost model's prediction (`models.gpt_cost.strategy_comms`, docs/algorithms.md §1): `ideal` counts a
    reduce-scatter where the algorithm has one, `cpu` counts it as the all-reduce (+ dynamic-slice) that XLA's
    CPU backend emits instead (it has no reduce-scatter creation pass), i.e. twice the bytes.
 4. step time: median of `--steps` timed steps after one warm-up, `jax.block_until_ready`, and its speed-up
@@ -29,18 +29,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse
 import dataclasses
-import json
-import pathlib
-import statistics
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 import shardkit as sk
+from experiments.bench.timing import RESULTS, gpt_batch, save_json, time_steps
 from models import gpt_cost
 from models.gpt import GPT, GPTConfig
 from shardkit import hlo
@@ -79,7 +75,7 @@ def tree_bytes(tree: Any, per_device: bool) -> int:
 
 
 def comm_formula(name: str, shape: dict[str, int]) -> list[dict]:
-    """The cost model's per-device bytes per step (`models.gpt_cost.strategy_comms`, ALGORITHMS.md §1), as terms
+    """The cost model's per-device bytes per step (`models.gpt_cost.strategy_comms`, docs/algorithms.md §1), as terms
     {what, ideal, cpu}: `ideal` models reduce-scatters as reduce-scatters (backend "gpu"), `cpu` as the all-reduce
     + dynamic-slice XLA:CPU emits (backend "cpu"). Not in the model (seen in the HLO, KiB or less): the loss and
     grad-norm scalars, the vocab-parallel cross-entropy's all-reduces of [b, s] floats (tp family), the
@@ -91,11 +87,6 @@ def comm_formula(name: str, shape: dict[str, int]) -> list[dict]:
     return terms
 
 
-def make_batch(seed: int = 0) -> dict[str, jax.Array]:
-    toks = np.random.default_rng(seed).integers(0, CFG.vocab_size, (BATCH, SEQ + 1))
-    return {"inputs": jnp.asarray(toks[:, :-1], jnp.int32), "targets": jnp.asarray(toks[:, 1:], jnp.int32)}
-
-
 def run(name: str, spec: str, steps: int, devices: list[Any] | None = None) -> dict[str, Any]:
     """Builds, compiles, measures and times one (strategy, mesh)."""
     t0 = time.perf_counter()
@@ -104,7 +95,7 @@ def run(name: str, spec: str, steps: int, devices: list[Any] | None = None) -> d
     step = sk.make_train_step(model, optax.adamw(1e-3), mesh, name)
     state = step.init_state()
     del model
-    batch = jax.device_put(make_batch(), step.batch_sharding)
+    batch = gpt_batch(CFG.vocab_size, BATCH, SEQ, step.batch_sharding)
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
 
@@ -119,14 +110,8 @@ def run(name: str, spec: str, steps: int, devices: list[Any] | None = None) -> d
     terms = comm_formula(name, dict(mesh.shape)) if mesh.size > 1 else []
     ideal_comm, cpu_comm = (sum(x["bytes"] for x in terms if x["backend"] == b) for b in ("gpu", "cpu"))
 
-    times = []
-    for i in range(steps + 1):  # the first call is the warm-up
-        t = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        if i:
-            times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
+    timing, state, metrics = time_steps(compiled, state, batch, steps)  # after one warm-up step
+    step_s = timing.median
     tokens_s = BATCH * SEQ / step_s
     return {
         "strategy": name,
@@ -154,7 +139,7 @@ def run(name: str, spec: str, steps: int, devices: list[Any] | None = None) -> d
             {"kind": k, "axes": list(a), **v} for (k, a), v in sorted(hlo.summarize(colls).items(), key=str)
         ],
         "collectives": [{**dataclasses.asdict(c), "axes": list(c.axes)} for c in colls],
-        "step_times_s": times,
+        "step_times_s": timing.times,
         "step_s": step_s,
         "tokens_per_s": tokens_s,
         "model_flops_per_s": tokens_s * CFG.flops_per_token(SEQ),
@@ -188,7 +173,7 @@ def table(rows: list[dict], ref: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="experiments/results/bench_strategies.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_strategies.json")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy (after one warm-up)")
     args = parser.parse_args(argv)
     if jax.device_count() < 8:
@@ -212,8 +197,6 @@ def main(argv: list[str] | None = None) -> None:
         + ". comm = ring bytes sent per device per step (HLO); ideal counts reduce-scatters as reduce-scatters, "
         "cpu as the all-reduces XLA:CPU emits.\n  vs 1dev = t(1 device) / t; the 8 CPU devices share the host cores."
     )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
@@ -229,8 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         "reference_one_device": ref,
         "strategies": rows[1:],
     }
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """One prepared GPU check (one H200 or H100): the train step's time, MFU and peak memory, and the attention kernels.
 
-    python -m experiments.bench_gpu [--models gpt_350m,gpt_1b] [--steps 10] [--out experiments/results/bench_gpu.json]
-    python -m experiments.bench_gpu --smoke      # tiny shapes on any backend (CPU): checks the script itself
+    python -m experiments.bench.bench_gpu [--models gpt_350m,gpt_1b] [--steps 10]
+        [--out experiments/bench/results/bench_gpu.json]
+    python -m experiments.bench.bench_gpu --smoke      # tiny shapes on any backend (CPU): checks the script itself
 
 1. Train step: the config's model in bf16 (its own remat policy), AdamW, batch `--batch` x seq 1024 on one device,
    `dp` with attention=cudnn and attention=dense: median step time of `--steps` after a warm-up, MFU against
@@ -22,8 +23,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,21 +32,11 @@ import numpy as np
 import optax
 
 import shardkit as sk
+from experiments.bench.timing import RESULTS, compile_timed, gpt_batch, save_json, time_calls, time_steps
 from experiments.configs import gpt_1b, gpt_350m
-from experiments.runtime import save_json
 from models.gpt import GPT, GPTConfig
 
 CONFIGS = {"gpt_350m": gpt_350m, "gpt_1b": gpt_1b}
-
-
-def best_time(fn: Callable[[], Any], reps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def peak_memory() -> int | None:
@@ -69,21 +58,12 @@ def train_step(cfg: GPTConfig, batch: int, seq: int, attention: str, steps: int,
     step = sk.make_train_step(model, optax.adamw(1e-4), mesh, strategy)
     state = step.init_state()
     del model
-    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1))
-    data = {"inputs": jnp.asarray(toks[:, :-1], jnp.int32), "targets": jnp.asarray(toks[:, 1:], jnp.int32)}
-    data = jax.device_put(data, step.batch_sharding)
-    t = time.perf_counter()
-    compiled = step.lower(state, data).compile()
-    compile_s = time.perf_counter() - t
-    box = {"state": state}
-
-    def one() -> Any:
-        box["state"], metrics = compiled(box["state"], data)
-        return metrics
-
-    step_s = best_time(one, steps)
-    flops = cfg.flops_per_token(seq) * batch * seq
-    return {"attention": attention, "compile_s": compile_s, "step_s": step_s, "tokens_per_s": batch * seq / step_s,
+    data = gpt_batch(cfg.vocab_size, batch, seq, step.batch_sharding)
+    compiled = compile_timed(step, state, data)
+    step_s = time_steps(compiled.program, state, data, steps)[0].median
+    tokens = batch * seq
+    flops = cfg.flops_per_token(seq) * tokens
+    return {"attention": attention, "compile_s": compiled.seconds, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "mfu": flops / step_s / peak, "peak_bytes": peak_memory()}  # fmt: skip
 
 
@@ -110,8 +90,8 @@ def attention_kernels(seq: int, heads: int, dim: int, chunks: tuple[int, ...], r
                 o, vjp = jax.vjp(attn, q, k, v)
                 return (o, *vjp(do))
 
-            s = best_time(lambda: fwd_bwd(q, k, v, do), reps)
-            o = np.asarray(fwd_bwd(q, k, v, do)[0], np.float32)
+            timing = time_calls(lambda: fwd_bwd(q, k, v, do), reps)
+            s, o = timing.median, np.asarray(timing.out[0], np.float32)
             ref = o if ref is None else ref
             return {"s": s, "tflops": flops / s / 1e12, "max_diff_vs_first": float(np.abs(o - ref).max())}
 
@@ -127,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak", type=float, default=989e12, help="device peak FLOP/s (bf16 dense)")
     parser.add_argument("--attn-seqs", default="4096,16384")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend: checks the script")
-    parser.add_argument("--out", default="experiments/results/bench_gpu.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_gpu.json")
     args = parser.parse_args(argv)
     seq, heads, dim, chunks = 1024, 16, 128, (512, 1024, 2048)
     result: dict[str, Any] = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend()}

@@ -1,6 +1,7 @@
 """Compile time against depth, and the default run's start-up with a cold and a warm persistent compile cache.
 
-    python -m experiments.bench_compile [--depths 2,4,8,16,32] [--out experiments/results/bench_compile.json]
+    python -m experiments.bench.bench_compile [--depths 2,4,8,16,32]
+        [--out experiments/bench/results/bench_compile.json]
 
 1. Depth: the gpt_tiny width (128, 4 heads of 32, AdamW, fsdp on data=2,fsdp=4, 8 CPU devices) at L layers, the
    train step lowered and compiled with the persistent cache off, for the layers kernel `scan` (one compiled
@@ -29,13 +30,11 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 import shardkit as sk
-from experiments.bench_mfu import VOCAB, model_configs
-from experiments.runtime import save_json
+from experiments.bench.bench_mfu import VOCAB, model_configs
+from experiments.bench.timing import RESULTS, compile_timed, gpt_batch, save_json, time_steps
 from models.gpt import GPT
 
 
@@ -47,21 +46,11 @@ def compile_time(layers: int, kernel: str) -> dict[str, float]:
     model = sk.sharded_init(lambda rngs: GPT(cfg, rngs=rngs), mesh, strategy)
     step = sk.make_train_step(model, optax.adamw(1e-4), mesh, strategy)
     state = step.init_state()
-    toks = np.random.default_rng(0).integers(0, VOCAB, (batch, seq + 1))
-    data = jax.device_put({"inputs": jnp.asarray(toks[:, :-1], jnp.int32),
-                           "targets": jnp.asarray(toks[:, 1:], jnp.int32)}, step.batch_sharding)  # fmt: skip
-    t = time.perf_counter()
-    lowered = step.lower(state, data)
-    t_lower = time.perf_counter() - t
-    compiled = lowered.compile()
-    t_compile = time.perf_counter() - t - t_lower
-    state, m = compiled(state, data)
-    jax.block_until_ready(m)
-    t = time.perf_counter()
-    for _ in range(3):
-        state, m = compiled(state, data)
-    jax.block_until_ready((state, m))
-    return {"lower_s": t_lower, "compile_s": t_compile, "step_s": (time.perf_counter() - t) / 3}
+    data = gpt_batch(VOCAB, batch, seq, step.batch_sharding)
+    compiled, lower_s, compile_s = compile_timed(step, state, data)
+    # one warm-up step, then 3 dispatched back to back and waited for once: their mean
+    step_s = time_steps(compiled, state, data, 3, block_each=False)[0].median
+    return {"lower_s": lower_s, "compile_s": compile_s, "step_s": step_s}
 
 
 def startup(cache: pathlib.Path, runs: pathlib.Path) -> dict[str, Any]:
@@ -79,7 +68,7 @@ def startup(cache: pathlib.Path, runs: pathlib.Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--depths", default="2,4,8,16,32")
-    parser.add_argument("--out", default="experiments/results/bench_compile.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_compile.json")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # part 1 measures XLA, not the cache
     result: dict[str, Any] = {"jax": jax.__version__, "depth": {}, "startup": {}}

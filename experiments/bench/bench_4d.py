@@ -1,6 +1,6 @@
 """4D (AxoNN) benchmark on 8 CPU devices: predicted vs compiled collective bytes, step time, planner picks.
 
-    python -m experiments.bench_4d [--out experiments/results/bench_4d.json] [--steps N]
+    python -m experiments.bench.bench_4d [--out experiments/bench/results/bench_4d.json] [--steps N]
 
 For all 20 factorisations (G_x, G_y, G_z, G_d) of 8 devices (mesh data, depth, row, col; col innermost):
 1. stack: fwd + bwd of the GPT blocks' four projections as `sk.tensor3d.linear` layers (shard_map kernels);
@@ -24,9 +24,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse
 import itertools
-import json
 import pathlib
-import statistics
 import time
 
 import jax
@@ -35,6 +33,7 @@ import optax
 from jax.sharding import NamedSharding
 
 import shardkit as sk
+from experiments.bench.timing import RESULTS, gpt_batch, save_json, time_steps
 from models import gpt_cost
 from models.gpt import GPT, GPTConfig
 from shardkit import costmodel, hlo, tensor3d
@@ -91,16 +90,10 @@ def run(grid: tuple[int, int, int, int], steps: int) -> dict:
     model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, "tp3d")
     step = sk.make_train_step(model, optax.sgd(0.1), mesh, "tp3d")
     state = step.init_state()
-    toks = np.random.default_rng(0).integers(0, CFG.vocab_size, (BATCH, SEQ + 1))
-    batch = jax.device_put({"inputs": toks[:, :-1], "targets": toks[:, 1:]}, step.batch_sharding)
+    batch = gpt_batch(CFG.vocab_size, BATCH, SEQ, step.batch_sharding)
     compiled = step.lower(state, batch).compile()
     colls = hlo.collectives(compiled, mesh)
-    times = []
-    for i in range(steps + 1):
-        t = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t) if i else None
+    timing, state, metrics = time_steps(compiled, state, batch, steps)
     by = lambda rows: {f"{c.kind} {c.axis}": c.bytes for c in rows}
     return {
         "grid": {"G_x": gx, "G_y": gy, "G_z": gz, "G_d": gd},
@@ -111,7 +104,7 @@ def run(grid: tuple[int, int, int, int], steps: int) -> dict:
         "gpt_hlo": sum(c.bytes_sent for c in colls),
         "gpt_predicted_by": by(pred_gspmd),
         "gpt_hlo_by": {f"{k} {','.join(a)}": v["bytes_sent"] for (k, a), v in hlo.summarize(colls).items()},
-        "step_s": statistics.median(times),
+        "step_s": timing.median,
         "loss": float(metrics["loss"]),
     }
 
@@ -136,7 +129,7 @@ def scatter(rows: list[dict], path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="experiments/results/bench_4d.json")
+    ap.add_argument("--out", default=f"{RESULTS}/bench_4d.json")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
     t0, rows = time.perf_counter(), []
@@ -165,14 +158,12 @@ def main(argv: list[str] | None = None) -> None:
         ]
         print(f"top 3 plans, {BIG.num_params() / 1e9:.2f}B GPT, {n} Perlmutter GPUs, batch {max(64, n // 4)} x 2048:")
         print(costmodel.format_plans(plans))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"spearman_pred_bytes_vs_step_time": rho, "spearman_hlo_bytes_vs_step_time": rho_hlo,
                "planner_top3_perlmutter": picks, "model": str(CFG), "batch": BATCH, "seq": SEQ,
                "total_s": time.perf_counter() - t0, "loadavg": os.getloadavg(), "rows": rows}  # fmt: skip
-    out.write_text(json.dumps(summary, indent=1))
+    out = save_json(summary, args.out)
     scatter(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')} in {summary['total_s']:.0f} s")
+    print(f"wrote {out.with_suffix('.png')}; {summary['total_s']:.0f} s in all")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The GPT train step against the machine's peak: model FLOP utilisation and where a step's time goes.
 
-    python -m experiments.bench_mfu [--models gpt_tiny,gpt_mid,gpt_small] [--steps 5]
-        [--out experiments/results/bench_mfu.json]
+    python -m experiments.bench.bench_mfu [--models gpt_tiny,gpt_mid,gpt_small] [--steps 5]
+        [--out experiments/bench/results/bench_mfu.json]
 
 Shapes from `experiments/configs` (gpt_tiny, gpt_small) plus `gpt_mid` between them, in fp32 (the CPU has no fast
 bf16), AdamW, on one CPU device and on 8 virtual ones (dp on data=8, fsdp on data=2,fsdp=4), the layers run by
@@ -41,19 +41,17 @@ import dataclasses
 import functools
 import pathlib
 import re
-import statistics
 import tempfile
-import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import shardkit as sk
+from experiments.bench.timing import RESULTS, gpt_batch, save_json, time_steps
 from experiments.configs import gpt_small, gpt_tiny
-from experiments.runtime import calibrate_peak_flops, save_json
+from experiments.runtime import calibrate_peak_flops
 from models.gpt import GPT, GPTConfig
 
 VOCAB = 384  # the byte-level corpus's 256 symbols + specials, padded to 128
@@ -150,20 +148,11 @@ def run(cfg: GPTConfig, batch_size: int, seq: int, spec: str, name: str, layers:
     step = sk.make_train_step(model, optax.adamw(1e-4), mesh, strategy)
     state = step.init_state()
     del model
-    toks = np.random.default_rng(0).integers(0, VOCAB, (batch_size, seq + 1))
-    batch = {"inputs": jnp.asarray(toks[:, :-1], jnp.int32), "targets": jnp.asarray(toks[:, 1:], jnp.int32)}
-    batch = jax.device_put(batch, step.batch_sharding)
+    batch = gpt_batch(VOCAB, batch_size, seq, step.batch_sharding)
     compiled = step.lower(state, batch).compile()
     peak = peak_of(mesh.size)
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready((state, metrics))
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
+    timing, state, _ = time_steps(compiled, state, batch, steps)
+    step_s = timing.median
     state, busy, top, events = profile(compiled, state, batch, steps)
     model_flops = cfg.flops_per_token(seq) * batch_size * seq
     cost = compiled.cost_analysis()
@@ -213,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt_tiny,gpt_mid,gpt_small")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default="experiments/results/bench_mfu.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_mfu.json")
     args = parser.parse_args(argv)
     configs = model_configs()
     result: dict[str, Any] = {"jax": jax.__version__, "models": {}}

@@ -1,13 +1,13 @@
 """Subnetwork Data Parallelism (Singh et al., arXiv 2507.09029; shardkit/parallel/sdp.py) against dp and fsdp.
 
-    python -m experiments.bench_sdp [--steps N] [--resnet_steps N] [--flop_cap 4] [--out ...json] [--quick]
+    python -m experiments.bench.bench_sdp [--steps N] [--resnet_steps N] [--flop_cap 4] [--out ...json] [--quick]
 
 One process, 8 CPU devices. Two models, each trained from the same initialisation (seed 0) on the same batches with
 the same optimizer (clip_by_global_norm(1.0) -> adamw(lr), fixed lr):
-- GPT (8 layers, d_model 64, ~0.5M parameters) on the stdlib byte corpus (experiments/data.py), global batch
-  32 x 64 tokens; validation loss on fixed held-out windows (`data.val_batches`).
+- GPT (8 layers, d_model 64, ~0.5M parameters) on the stdlib byte corpus (experiments/data/text.py), global batch
+  32 x 64 tokens; validation loss on fixed held-out windows (`text.val_batches`).
 - ResNet (widths 16, 32; 9 + 9 blocks: each stage's 8 identity blocks stacked under `layers`) on scikit-learn's
-  digits (experiments/images.py), global batch 64; validation loss and accuracy on the 320 held-out images.
+  digits (experiments/data/images.py), global batch 64; validation loss and accuracy on the 320 held-out images.
 Runs: dp (data=8), fsdp (`sk.strategy("fsdp").default_mesh(8)` = data=2,fsdp=4), and SDP on data=8: block-level
 {forward, backward} masking x coverage {0.25, 0.5}, plus neuron-level forward masking at 0.5 for the GPT (its
 `mlp` units; the ResNet has no `mlp` dimension, so neuron-level SDP does not apply: the step's error is printed).
@@ -31,7 +31,7 @@ The 8 devices share this host's cores, so step times measure total work (which f
 cluster's critical path; another busy process on the host skews them.
 
 Defaults (N = 150 GPT, 120 ResNet steps): ~6-7 minutes on 2 cores, ~1.5 more while the persistent compile cache
-(--jax_cache_dir, as experiments/train.py) is cold. Writes experiments/results/bench_sdp.json (config and all raw
+(--jax_cache_dir, as experiments/train.py) is cold. Writes experiments/bench/results/bench_sdp.json (config and all raw
 numbers) and bench_sdp.png (loss curves). --quick: 3 steps per budget, a 1-2 minute smoke test of every code path
 (mostly compiling; its numbers mean nothing), written to bench_sdp_quick.{json,png}.
 """
@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,13 +56,14 @@ import numpy as np
 import optax
 
 import shardkit as sk
-from experiments import data, images
+from experiments.bench.timing import RESULTS, Timing, save_json, timed
+from experiments.data import images, text
 from models.gpt import GPT, GPTConfig
 from models.resnet import BATCH_AXES, ResNet, ResNetConfig, classification_loss
 from shardkit import hlo
 
 GPT_CFG = GPTConfig(num_layers=8, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=256,
-                    vocab_size=data.PADDED_VOCAB, max_seq_len=64)  # fmt: skip
+                    vocab_size=text.PADDED_VOCAB, max_seq_len=64)  # fmt: skip
 RESNET_CFG = ResNetConfig(widths=(16, 32), blocks=(9, 9), num_classes=10, in_channels=1, dropout=0.0)
 SEQ, GPT_BATCH, RESNET_BATCH, GPT_VAL_WINDOWS = 64, 32, 64, 256
 #: (run name, sk.sdp.strategy kwargs; None: the named strategy) in table order.
@@ -87,10 +87,10 @@ class Task:
 
 
 def tasks(args: argparse.Namespace) -> list[Task]:
-    ds = data.load_dataset()
+    ds = text.load_dataset()
     assert ds.padded_vocab_size <= GPT_CFG.vocab_size, ds
-    it = data.BatchIterator(ds, GPT_BATCH, SEQ)
-    vals = data.val_batches(ds, args.val_windows // GPT_BATCH, GPT_BATCH, SEQ)
+    it = text.BatchIterator(ds, GPT_BATCH, SEQ)
+    vals = text.val_batches(ds, args.val_windows // GPT_BATCH, GPT_BATCH, SEQ)
     gpt_val = {k: np.concatenate([v[k] for v in vals]) for k in vals[0]}
     digits = images.load_digits()
     return [
@@ -145,16 +145,13 @@ def run(task: Task, name: str, kw: dict | None, args: argparse.Namespace) -> dic
 
     times, train_curve, val_curve, at = [], [], [(0, evaluate())], {}
     for i in range(1, total + 1):
-        batch = place(task.batch(i - 1))
-        t = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t)
+        (state, metrics), seconds = timed(compiled, state, place(task.batch(i - 1)))  # the batch placed first
+        times.append(seconds)
         train_curve.append(float(metrics["loss"]))
         if i % args.eval_every == 0 or i in budgets.values():
             val_curve.append((i, evaluate()))
             at.update({b: val_curve[-1][1] for b, n in budgets.items() if n == i})
-    timed = times[min(args.warmup, len(times) - 1) :]
+    timing = Timing(times[min(args.warmup, len(times) - 1) :])
     out = dict(model=task.name, run=name, strategy=kw or name, mesh=dict(mesh.shape), coverage=coverage,
                block_flop_fraction=coverage if kw and kw["masking"] == "forward" else 1.0, budgets=budgets,
                at_budget=at, compile_s=compile_s, wall_s=time.perf_counter() - t0,
@@ -163,7 +160,7 @@ def run(task: Task, name: str, kw: dict | None, args: argparse.Namespace) -> dic
                output_bytes=mem.output_size_in_bytes,
                bytes_sent_per_device=sum(c.bytes_sent for c in colls),
                collectives=[{**dataclasses.asdict(c), "axes": list(c.axes)} for c in colls],
-               sdp_formula=formula, step_s=statistics.median(timed), step_min_s=min(timed), step_times_s=times,
+               sdp_formula=formula, step_s=timing.median, step_min_s=timing.best, step_times_s=times,
                train_loss=train_curve, val_curve=[{"step": s, **v} for s, v in val_curve])  # fmt: skip
     if formula:
         out["sdp_formula_bytes"] = formula["permute_bytes"] + formula["ring_all_reduce_bytes"]
@@ -245,7 +242,7 @@ def replot(json_path: str, png_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="experiments/results/bench_sdp.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_sdp.json")
     parser.add_argument("--steps", type=int, default=150, help="equal-steps budget N of the GPT")
     parser.add_argument("--resnet_steps", type=int, default=120, help="equal-steps budget N of the ResNet")
     parser.add_argument("--flop_cap", type=float, default=4.0, help="equal-FLOP runs: at most this x N steps")
@@ -291,17 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     for r in (r for r in runs if r["sdp_formula"]):
         print(f"  {r['model']:<6} {r['run']:<20} HLO {r['bytes_sent_per_device'] / 1024:9.1f} KiB, bytes_per_step() "
               f"{r['sdp_formula_bytes'] / 1024:9.1f} KiB ({r['sdp_formula']['permutes']} permutes)")  # fmt: skip
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     config = dict(gpt=vars(GPT_CFG), resnet=dataclasses.asdict(RESNET_CFG), seq=SEQ, gpt_batch=GPT_BATCH,
                   resnet_batch=RESNET_BATCH, optimizer="chain(clip_by_global_norm(1.0), adamw(lr)), fp32, seed 0",
                   args=vars(args))  # fmt: skip
     report = dict(config=config, jax=jax.__version__, backend=jax.default_backend(), devices=jax.device_count(),
                   cpu_count=os.cpu_count(), load_average_start_end=[load0[0], load1[0]], total_s=total_s,
                   table=rows, not_applicable=skipped, runs=runs)  # fmt: skip
-    out.write_text(json.dumps(report, indent=1, default=str))
+    out = save_json(report, args.out)
     plot(runs, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Mixture of experts (shardkit/parallel/moe.py): expert-parallel formulations, memory, dropping, and the loss.
 
-    python -m experiments.bench_moe [--steps 150] [--out experiments/results/bench_moe.json]
+    python -m experiments.bench.bench_moe [--steps 150] [--out experiments/bench/results/bench_moe.json]
 
 One process, 8 CPU devices, a GPT-MoE (4 layers x 64, 8 SwiGLU experts of mlp 128, top-2) on the stdlib corpus:
 1. `ep` (explicit all-to-alls in shard_map) vs `ep_gspmd` (GSPMD's dispatch / combine einsums) on data=2,expert=4:
@@ -22,21 +22,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse
 import dataclasses
-import json
-import pathlib
-import statistics
-import time
 
 import jax
 import numpy as np
 import optax
 
 import shardkit as sk
-from experiments import data
+from experiments.bench.timing import RESULTS, save_json, time_steps
+from experiments.data import text
 from models.gpt import GPT, GPTConfig
 
 MOE = GPTConfig(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                vocab_size=data.PADDED_VOCAB, max_seq_len=64, num_experts=8, top_k=2, capacity_factor=1.25)  # fmt: skip
+                vocab_size=text.PADDED_VOCAB, max_seq_len=64, num_experts=8, top_k=2, capacity_factor=1.25)  # fmt: skip
 DENSE = dataclasses.replace(MOE, num_experts=0, mlp_dim=256)  # the same active MLP width per token
 SEQ, BATCH = 64, 32
 
@@ -57,13 +54,11 @@ def train(cfg: GPTConfig, strategy: str, mesh_spec: str, it, val, steps: int) ->
         colls[c.kind] = colls.get(c.kind, 0.0) + c.bytes_sent
     out = dict(strategy=strategy, mesh=mesh_spec, state_bytes=_bytes((state.params, state.opt_state)),
                temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes), bytes_by_kind=colls)  # fmt: skip
-    times, metrics = [], {}
-    for i in range(steps):
-        t = time.perf_counter()
-        state, metrics = step(state, it(i))
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t)
-    out.update(step_s=statistics.median(times[min(3, steps - 1) :]), val_loss=float(step.eval_loss(state, val)),
+    # `steps` training steps on batches it(0), it(1), ... (read inside the timed region); the first 3 (the first
+    # one compiles the jitted step) are left out of the median
+    warmup = min(3, steps - 1)
+    timing, state, metrics = time_steps(step, state, it, steps - warmup, warmup=warmup)
+    out.update(step_s=timing.median, val_loss=float(step.eval_loss(state, val)),
                final={k: float(v) for k, v in metrics.items()})  # fmt: skip
     return out
 
@@ -79,12 +74,12 @@ def dropped(cfg: GPTConfig, factor: float, it) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--out", default="experiments/results/bench_moe.json")
+    parser.add_argument("--out", default=f"{RESULTS}/bench_moe.json")
     args = parser.parse_args()
-    ds = data.load_dataset()
-    loader = data.BatchIterator(ds, BATCH, SEQ)
+    ds = text.load_dataset()
+    loader = text.BatchIterator(ds, BATCH, SEQ)
     it = lambda i: {k: np.asarray(v) for k, v in loader.batch(i).items()}
-    vals = data.val_batches(ds, 4, BATCH, SEQ)
+    vals = text.val_batches(ds, 4, BATCH, SEQ)
     val = {k: np.concatenate([v[k] for v in vals]) for k in vals[0]}
     runs = [train(MOE, "ep", "data=2,expert=4", it, val, args.steps),
             train(MOE, "ep_gspmd", "data=2,expert=4", it, val, args.steps),
@@ -114,11 +109,8 @@ def main() -> None:
         f"after training (cf {MOE.capacity_factor}, ep): dropped {ep['final']['moe_dropped']:.1%}, "
         f"aux {ep['final']['moe_aux']:.3f} (1 = balanced), z {ep['final']['moe_z']:.3f}"
     )
-    path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(runs=runs, ratios=ratios, dropped_at_init=drops, moe=dataclasses.asdict(MOE),
-                                    steps=args.steps), indent=1))  # fmt: skip
-    print(f"wrote {path}")
+    save_json(dict(runs=runs, ratios=ratios, dropped_at_init=drops, moe=dataclasses.asdict(MOE), steps=args.steps),
+              args.out)  # fmt: skip
 
 
 if __name__ == "__main__":

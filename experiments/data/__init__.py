@@ -1,0 +1,10 @@
+"""The data sources of the experiments, one module each; every batch is a pure function of (seed, step).
+
+    text     a byte-level token corpus (the running Python's stdlib, a text folder or nanoGPT .bin files):
+             resumable windows, per-process global batches (the `lm` task)
+    images   scikit-learn's bundled 8x8 digits: a fixed split, resumable sharded batches (`image_classification`)
+    volumes  synthetic 3D volumes (cosmology-like regression, labelled segmentation) generated one spatial block
+             at a time, users' .npy volume folders, and the sharded global batches built from them (`volume_*`)
+
+The tasks of experiments/tasks.py read them; nothing here is downloaded.
+"""
