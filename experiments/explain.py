@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import app, flags, logging
+from absl import flags, logging
 
 import shardkit as sk
 from experiments import runtime, tasks
@@ -59,15 +59,14 @@ def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
     for key in ("batch_size", "seq_len", "microbatches"):
         if key in config and config[key] < 1:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
+    runtime.check_choices(config)
     lm = config.get("task", "lm") == "lm"
     if lm and config.data.path and not config.model.vocab_size:
         raise sk.ShardkitError("explain reads no data: with data.path set, give --config.model.vocab_size")
     n_here = jax.device_count()
     target = target_axes(config, n_here)
     built, how = fit_mesh(target, n_here)
-    strategy = sk.configure(config.strategy, config.to_dict(), devices=math.prod(built.values()),
-                            global_batch=config.batch_size, preset=runtime.mesh_preset(config))  # fmt: skip
-    strategy = runtime.with_kernels(strategy, config.get("kernels", ""))
+    strategy = runtime.strategy_of(config, math.prod(built.values()))
     mesh = sk.make_mesh(built, jax.devices()[: math.prod(built.values())])
     strategy.bind(mesh)
     tx, _ = tr.make_optimizer(config.optimizer, max(config.steps, config.optimizer.warmup_steps + 1))
@@ -116,4 +115,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runtime.run_app(main)

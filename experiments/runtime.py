@@ -188,6 +188,74 @@ def with_kernels(strategy: sk.Strategy, spec: str) -> sk.Strategy:
     return strategy.replace(kernels=table) if table else strategy
 
 
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Every config field with a closed set of values -> the values, from the code that reads each."""
+    from shardkit.parallel import pipeline, sdp
+
+    return {
+        "model.remat": tuple(sk.layers.REMAT_POLICIES),
+        "optimizer.name": ("adamw",),
+        "pipeline.schedule": pipeline.SCHEDULES,
+        "hetero.mode": ("loop", "pad"),
+        "sdp.granularity": sdp.GRANULARITIES, "sdp.masking": sdp.MASKINGS, "sdp.ownership": sdp.OWNERSHIPS,
+        "sdp.reduce": sdp.REDUCTIONS, "sdp.eval": sdp.EVALS,
+    }  # fmt: skip
+
+
+def check_choices(config: Any) -> None:
+    """Every field with a closed set of values holds one of them, whether or not this run reads it (a typo in an
+    unused section is still a typo), and the data's token dtype is an integer dtype: before anything is built."""
+    for field, allowed in _choices().items():
+        section, _, key = field.partition(".")
+        if section in config and key in config[section] and config[section][key] not in allowed:
+            raise sk.ShardkitError(f"{field}={config[section][key]!r}: choose one of {', '.join(allowed)}")
+    for field in ("model.dtype", "model.param_dtype"):
+        section, _, key = field.partition(".")
+        value = config[section][key] if section in config and key in config[section] else "float32"
+        try:
+            ok = jnp.issubdtype(np.dtype(value), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise sk.ShardkitError(f"{field}={value!r}: give a float dtype, e.g. 'float32' or 'bfloat16'")
+    if "data" in config and "bin_dtype" in config.data:
+        value = config.data.bin_dtype
+        try:
+            ok = np.issubdtype(np.dtype(value), np.integer)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise sk.ShardkitError(f"data.bin_dtype={value!r}: give the .bin files' integer token dtype, e.g. "
+                                   "'uint16' (nanoGPT's) or 'uint32'")  # fmt: skip
+
+
+def strategy_of(config: Any, devices: int) -> sk.Strategy:
+    """The run's strategy: its name, the config sections of its step and kernels (`sk.configure`), the
+    `kernels` overrides and `strict_names`, checked."""
+    strategy = sk.configure(config.strategy, config.to_dict(), devices=devices, global_batch=config.batch_size,
+                            preset=mesh_preset(config))  # fmt: skip
+    strategy = with_kernels(strategy, config.get("kernels", ""))
+    return strategy.replace(strict_names=True) if config.get("strict_names", False) else strategy
+
+
+def run_app(main: Any) -> None:
+    """absl's `app.run(main)`, where a config file (`--config=...`) or override that does not load or apply ends
+    in one `error:` line and exit 2, as it does for the default config, instead of a traceback."""
+    from absl import app, flags
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:  # absl's own: an unknown flag, a value of the wrong type (--config.steps=abc)
+            print(f"error: {e}; see --help", file=sys.stderr)
+            sys.exit(2)
+        except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+            print(f"error: {config_error(e)}", file=sys.stderr)
+            sys.exit(2)
+
+    app.run(main, flags_parser=parse)
+
+
 def config_error(e: BaseException) -> str:
     """One line for a config file or `--config.x` override that ml_collections could not load or apply."""
     text = str(e.args[0]) if e.args else str(e)

@@ -45,7 +45,7 @@ import jax
 import ml_collections
 import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -103,11 +103,10 @@ def build(config: ml_collections.ConfigDict) -> Run:
     for key in ("eval_every", "ckpt_every", "seed"):  # 0: only at the end (intervals)
         if key in config and config[key] < 0:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 0")
+    runtime.check_choices(config)
     preset = resolve_preset(config.hardware)
     # the config sections named after the strategy's step (`sdp`, `hetero`) and kernels (`pipeline`) configure them
-    strategy = sk.configure(config.strategy, config.to_dict(), devices=jax.device_count(),
-                            global_batch=config.batch_size, preset=runtime.mesh_preset(config))  # fmt: skip
-    strategy = runtime.with_kernels(strategy, config.get("kernels", ""))
+    strategy = runtime.strategy_of(config, jax.device_count())
     mesh = sk.make_mesh(runtime.target_axes(config, jax.device_count()))  # "auto": one the strategy fits
     strategy.bind(mesh)
     task = build_task(config)
@@ -419,4 +418,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    runtime.run_app(main)

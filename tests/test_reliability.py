@@ -57,7 +57,10 @@ def test_a_batch_anywhere_is_placed_on_the_mesh(run):
 def test_batch_entries_that_disagree_are_refused(run):
     _, _, step = run
     batch = make_batch()
-    batch["targets"] = batch["targets"][:8]
+    batch["targets"] = batch["targets"][:8]  # what the GPT's loss reads: its own check names them
+    with pytest.raises(sk.ShardkitError, match=r"GPT: batch entries \['inputs', 'targets'\] must have one shape"):
+        step(step.init_state(), batch)
+    batch = {**make_batch(), "weights": np.ones((8, 32), np.float32)}  # an entry the loss does not read
     with pytest.raises(sk.ShardkitError, match=r"disagree on the number of examples: batch\['inputs'\] has 16"):
         step(step.init_state(), batch)
     with pytest.raises(sk.ShardkitError, match=r"batch\['extra'\] is int 3: every batch entry must be an array"):
@@ -316,22 +319,49 @@ def test_distributed_without_a_cluster_or_with_a_taken_port_is_an_error(monkeypa
 
 
 @pytest.mark.parametrize(
-    "args,message",
+    "entry,args,message",
     [
-        (["--config.stpes=3"], "error: config has no field 'stpes'; Did you mean \"steps\""),
-        (["--config=experiments/configs/nope.py"], "error: config file experiments/configs/nope.py: [Errno 2]"),
+        ("train", ["--config.stpes=3"], "error: config has no field 'stpes'; Did you mean \"steps\""),
+        ("train", ["--config=experiments/configs/nope.py"], "error: config file experiments/configs/nope.py: [Errno"),
+        # issue #26 item 5: an explicit config file's typo used to be a three-part traceback (exit 1)
+        ("train", ["--config=experiments/configs/gpt_tiny.py", "--config.stepz=3"],
+         "error: config has no field 'stepz'; Did you mean \"steps\""),
+        ("explain", ["--config=experiments/configs/resnet_digits.py", "--config.steps=abc"],
+         "error: flag --config.steps=abc: invalid literal for int()"),
+        ("train", ["--config.data.bin_dtype=uint17"], "error: data.bin_dtype='uint17': give the .bin files' integer"),
     ],
-)
-def test_a_misspelled_config_key_or_missing_file_is_one_error_line(args, message):
-    """These fail while absl parses the flags (or at the config's first use): exit 2 and one line, no traceback."""
+    ids=["typo", "no-file", "file-and-typo", "explain-bad-value", "bin-dtype"],
+)  # fmt: skip
+def test_a_misspelled_config_key_or_missing_file_is_one_error_line(entry, args, message):
+    """These fail while absl parses the flags (or at the config's first use, or in the up-front checks before
+    anything is built): exit 2 and one line, no traceback, whether or not --config= names a file."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=root, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", f"experiments.{entry}", *args], cwd=root, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith(message) and "Traceback" not in out.stderr
+
+
+def test_every_closed_set_config_field_is_checked_up_front_even_where_unused():
+    from experiments import runtime
+
+    runtime.check_choices(base.get_config())  # the defaults hold
+    for field, value, message in [("pipeline.schedule", "zz", "choose one of gpipe, 1f1b, circular"),
+                                  ("hetero.mode", "lop", "choose one of loop, pad"),
+                                  ("sdp.reduce", "x", "choose one of auto, ring, psum"),
+                                  ("model.remat", "some", "choose one of none, full, dots"),
+                                  ("optimizer.name", "sgd", "choose one of adamw"),
+                                  ("model.dtype", "float33", "give a float dtype"),
+                                  ("model.param_dtype", "int32", "give a float dtype"),
+                                  ("data.bin_dtype", "float32", "give the .bin files' integer")]:  # fmt: skip
+        config = base.get_config()  # strategy fsdp: none of the pipeline / hetero / sdp sections is read
+        section, key = field.split(".")
+        config[section][key] = value
+        with pytest.raises(sk.ShardkitError, match=rf"{field}={value!r}: {message}"):
+            runtime.check_choices(config)
 
 
 # ------------------------------------------------------------------------------------------ data (items 4, 8)

@@ -19,6 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = "auto"  # "auto": a mesh the strategy fits (fsdp: data=2,fsdp=4 on 8 devices; printed); "axis=degree,..."
     #                  (one degree may be -1), a preset name, or "" = the preset's mesh
     c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp | pp* | sdp (shardkit/strategies.py)
+    c.strict_names = False  # True: refuse parameters with fewer logical names than dimensions, or none (default:
+    #                          Flax's meaning, the rest replicated; docs/flax_models.md)
     c.kernels = ""  # kernel slots over the strategy's: "slot=name,..." e.g. "norm=group" (per-group BatchNorm),
     #                 "conv=halo,pool=halo", "attention=ring:zigzag" (shardkit/kernels.py; listed when one is unknown)
     c.sdp = ml_collections.ConfigDict()  # strategy=sdp only: subnetwork data parallelism (shardkit/parallel/sdp.py)

@@ -56,6 +56,7 @@ GRANULARITIES = ("block", "neuron")
 MASKINGS = ("forward", "backward")
 OWNERSHIPS = ("cyclic", "random")
 REDUCTIONS = ("auto", "ring", "psum")
+EVALS = ("subnetworks", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ class SDPConfig:
 
     def __post_init__(self) -> None:
         for field, allowed in (("granularity", GRANULARITIES), ("masking", MASKINGS), ("ownership", OWNERSHIPS),
-                               ("reduce", REDUCTIONS), ("eval", ("subnetworks", "full"))):  # fmt: skip
+                               ("reduce", REDUCTIONS), ("eval", EVALS)):  # fmt: skip
             if getattr(self, field) not in allowed:
                 raise ShardkitError(f"sdp {field}={getattr(self, field)!r}: choose one of {', '.join(allowed)}")
         if not 0 < self.coverage <= 1:
