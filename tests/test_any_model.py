@@ -283,6 +283,8 @@ def test_a_model_annotated_with_mesh_axes_trains_as_annotated():
     assert_close(got[1], ref[1])
     assert tuple(got[3].params["attention"]["query"]["kernel"].sharding.spec) == ("fsdp", "tensor")
     assert tuple(got[3].params["embed"]["embedding"].sharding.spec) == ("tensor", "fsdp")
+    report = sk.explain(got[2], got[2].abstract_state(), token_batch())  # explained like any other strategy
+    assert report.strategy == "annotated" and any(r["kind"] == "all-gather" for r in report.rows())  # fsdp's
     with pytest.raises(sk.ShardkitError, match=r"'fsdp' is a mesh axis: .* strategy 'annotated'"):
         example_lm(ON_MESH)(sk.make_mesh("data=2,fsdp=4"), "fsdp")
 
