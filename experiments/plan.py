@@ -3,8 +3,8 @@
     python -m experiments.plan --model gpt_7b --devices 1024 --hardware perlmutter [--top 10] [--plot plans.png]
     python -m experiments.plan --model gpt_7b --devices 64 --hardware frontier --variant axonn --batch 64
 
---model names a config in experiments/configs (its model shape, batch size and sequence length are used;
---batch / --seq override them). Prints the ranked table of `sk.plan` (predicted communication time per step,
+--model names a GPT config in experiments/configs, or a path to one (its model shape, batch size and sequence length
+are used; --batch / --seq override them). Prints the ranked table of `sk.plan` (predicted communication time per step,
 GiB sent per device, memory per device) and the plans rejected for memory; --plot draws the top plans.
 """
 
@@ -13,14 +13,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import sys
+from pathlib import Path
 
 from models.gpt import GPTConfig
 from shardkit import costmodel
+from shardkit.errors import ShardkitError
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def model_from_config(name: str) -> tuple[GPTConfig, int, int]:
-    """(GPTConfig, batch size, seq len) from experiments/configs/<name>.py."""
-    c = importlib.import_module(f"experiments.configs.{name}").get_config()
+    """(GPTConfig, batch size, seq len) from experiments/configs/<name>.py (or a path to such a file).
+
+    ShardkitError, naming the configs there are, for an unknown name or a config whose task is not the GPT's."""
+    stem = Path(name).stem if name.endswith(".py") else name
+    names = sorted(p.stem for p in CONFIGS.glob("*.py") if p.stem not in ("__init__", "base"))
+    if stem not in names:
+        raise ShardkitError(f"--model {name!r}: no such config; choose one of {', '.join(names)}")
+    c = importlib.import_module(f"experiments.configs.{stem}").get_config()
+    if c.get("task", "lm") != "lm":
+        gpts = [n for n in names if importlib.import_module(f"experiments.configs.{n}").get_config().task == "lm"]
+        raise ShardkitError(f"--model {name!r} has task {c.task!r}; the planner ranks GPT configs: {', '.join(gpts)}")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model = {k: v for k, v in c.model.to_dict().items() if k in fields and v}
     model["vocab_size"] = model.get("vocab_size") or 32768
@@ -60,9 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--plot", default="", help="write a PNG of the top plans")
     args = ap.parse_args(argv)
-    cfg, batch, seq = model_from_config(args.model)
-    batch, seq = args.batch or batch, args.seq or seq
-    plans = costmodel.plan(cfg, args.devices, args.hardware, batch, seq, variant=args.variant, include_rejected=True)
+    try:
+        cfg, batch, seq = model_from_config(args.model)
+        batch, seq = args.batch or batch, args.seq or seq
+        plans = costmodel.plan(cfg, args.devices, args.hardware, batch, seq, variant=args.variant,
+                               include_rejected=True)  # fmt: skip
+    except ShardkitError as e:  # a wrong name or value: one line, as the other entry points print it
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     fits = [p for p in plans if p.fits]
     title = (f"{args.model} ({cfg.num_params() / 1e9:.2f}B params), {args.devices} x {args.hardware}, "
              f"batch {batch} x {seq}, {args.variant}")  # fmt: skip

@@ -486,3 +486,20 @@ def test_two_quick_ctrl_c_still_commit_the_stop_checkpoint(tmp_path):
     assert p.returncode != 0 and "Traceback" not in out.split("checkpointed step")[0], out[-2000:]
     committed = [d.name for d in (tmp_path / "r" / "checkpoints").iterdir() if d.name.isdigit()]
     assert committed, out[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--model", "gpt_7bb"], "error: --model 'gpt_7bb': no such config; choose one of cosmoflow_512"),
+     (["--model", "resnet_digits"], "error: --model 'resnet_digits' has task 'image_classification'; the planner"),
+     (["--hardware", "foo"], "error: unknown mesh preset 'foo'; available: cpu8")],
+)  # fmt: skip
+def test_the_planner_cli_names_a_wrong_model_or_hardware_in_one_line(args, message, capsys):
+    """`experiments.plan` was a ModuleNotFoundError / ShardkitError traceback (#26's audit): now exit 2, one line."""
+    from experiments import plan
+
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(args)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines

@@ -31,8 +31,8 @@ def _mesh():
     return sk.make_mesh({"data": W})
 
 
-def _gpt(mesh, strategy):
-    return sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy, seed=0)
+def _gpt(mesh, strategy, cfg=CFG):
+    return sk.sharded_init(lambda rngs: GPT(cfg, rngs=rngs), mesh, strategy, seed=0)
 
 
 def _scale_close(got, want, rtol):
@@ -89,9 +89,9 @@ def _reference(model, params, batch, table, granularity, masking, units="mlp"):
     return total
 
 
-def _run(strategy, steps=2, tx=None):
+def _run(strategy, steps=2, tx=None, cfg=CFG):
     mesh = _mesh()
-    model = _gpt(mesh, strategy)
+    model = _gpt(mesh, strategy, cfg)
     step = sk.make_train_step(model, tx or optax.sgd(0.5), mesh, strategy)
     state = step.init_state()
     batch = make_batch(16, 16, CFG.vocab_size)
@@ -137,16 +137,20 @@ def test_holders_stay_bit_identical_and_full_coverage_is_dp():
             for c in copies[1:]:
                 np.testing.assert_array_equal(c, copies[0])
 
-    # coverage 1: every worker holds every block; the step is data parallelism
-    _, _, fstates, _, _ = _run(sk.sdp.strategy(coverage=1.0), steps=2, tx=optax.adamw(1e-2))
-    mesh = _mesh()
-    model = _gpt(mesh, "dp")
-    dp = sk.make_train_step(model, optax.adamw(1e-2), mesh, "dp")
-    state = dp.init_state()
-    for _ in range(2):
-        state, _ = dp(state, batch)
-    # AdamW's m / sqrt(v) amplifies ulp-level differences of tiny gradients: relative to each array's scale
-    _scale_close(fstates[-1][0], state.params, 1e-5)
+    # coverage 1: every worker holds every block; the step is data parallelism. In float64: AdamW's m / sqrt(v)
+    # turns the reduction-order noise of a near-zero gradient into a whole update, so fp32 differences depend on
+    # how XLA compiled the sums (1e-4 of the scale seen); in float64 that noise is ~1e-15 and the update
+    # amplifies it at most lr / eps = 1e6 per step (tests/test_parity.py's bound): asserted 1e-6 of the scale
+    cfg64 = GPTConfig(**{**CFG.__dict__, "dtype": "float64", "param_dtype": "float64"})
+    with jax.enable_x64(True):
+        _, _, fstates, _, _ = _run(sk.sdp.strategy(coverage=1.0), steps=2, tx=optax.adamw(1e-2), cfg=cfg64)
+        mesh = _mesh()
+        dp = sk.make_train_step(_gpt(mesh, "dp", cfg64), optax.adamw(1e-2), mesh, "dp")
+        state = dp.init_state()
+        for _ in range(2):
+            state, _ = dp(state, batch)
+        assert all(p.dtype == np.float64 for p in jax.tree.leaves(state.params))
+    _scale_close(fstates[-1][0], state.params, 1e-6)
 
 
 def _bytes_per_device(tree):
