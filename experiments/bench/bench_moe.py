@@ -10,6 +10,10 @@ One process, 8 CPU devices, a GPT-MoE (4 layers x 64, 8 SwiGLU experts of mlp 12
 3. fraction of (token, choice) pairs dropped vs the capacity factor, at initialisation and after training.
 4. validation loss after --steps steps of GPT-MoE vs a dense GPT of equal *active* parameters (mlp 256 = top-2 x
    128) on the same batches, and the MoE loss's terms.
+5. dispatch under ep on data=2,expert=4: capacity factor 1.25 (`all_to_all`), today's dropless (capacity = seq)
+   and the dropless grouped-matmul kernel (`moe=ragged`, #28): compiled FLOPs and bytes accessed per device
+   (XLA's cost analysis, which counts the body of the scanned layer stack once: one layer + embedding and head,
+   compare rows, not with 6N), all-to-all bytes, step time, validation loss, pairs dropped.
 CPU devices share the host's cores: step times measure total work, not a cluster's critical path.
 """
 
@@ -42,7 +46,7 @@ def _bytes(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def train(cfg: GPTConfig, strategy: str, mesh_spec: str, it, val, steps: int) -> dict:
+def train(cfg: GPTConfig, strategy: str | sk.Strategy, mesh_spec: str, it, val, steps: int) -> dict:
     mesh = sk.make_mesh(mesh_spec)
     model = sk.sharded_init(lambda rngs: GPT(cfg, rngs=rngs), mesh, strategy, seed=0)
     step = sk.make_train_step(model, optax.adamw(3e-3), mesh, strategy)
@@ -52,8 +56,12 @@ def train(cfg: GPTConfig, strategy: str, mesh_spec: str, it, val, steps: int) ->
     colls: dict[str, float] = {}
     for c in sk.hlo.collectives(compiled, mesh):
         colls[c.kind] = colls.get(c.kind, 0.0) + c.bytes_sent
-    out = dict(strategy=strategy, mesh=mesh_spec, state_bytes=_bytes((state.params, state.opt_state)),
-               temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes), bytes_by_kind=colls)  # fmt: skip
+    cost = compiled.cost_analysis()  # per device; a list of one dict in some jax versions
+    cost = cost[0] if isinstance(cost, list) else cost
+    out = dict(strategy=getattr(strategy, "name", strategy), mesh=mesh_spec,
+               state_bytes=_bytes((state.params, state.opt_state)),
+               temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes), bytes_by_kind=colls,
+               flops=float(cost["flops"]), bytes_accessed=float(cost["bytes accessed"]))  # fmt: skip
     # `steps` training steps on batches it(0), it(1), ... (read inside the timed region); the first 3 (the first
     # one compiles the jitted step) are left out of the median
     warmup = min(3, steps - 1)
@@ -109,8 +117,36 @@ def main() -> None:
         f"after training (cf {MOE.capacity_factor}, ep): dropped {ep['final']['moe_dropped']:.1%}, "
         f"aux {ep['final']['moe_aux']:.3f} (1 = balanced), z {ep['final']['moe_z']:.3f}"
     )
-    save_json(dict(runs=runs, ratios=ratios, dropped_at_init=drops, moe=dataclasses.asdict(MOE), steps=args.steps),
-              args.out)  # fmt: skip
+    dispatch = dispatch_rows(ep, it, val, args.steps)
+    ratios.update(dispatch.pop("ratios"))
+    save_json(dict(runs=runs, dispatch=dispatch, ratios=ratios, dropped_at_init=drops, moe=dataclasses.asdict(MOE),
+                   steps=args.steps), args.out)  # fmt: skip
+
+
+def dispatch_rows(cf: dict, it, val, steps: int) -> dict:
+    """Part 5: ep at capacity factor 1.25 (the run `cf` of part 1), ep dropless (capacity = seq) and ep with the
+    ragged kernel, side by side; ratios of the ragged row to the other two."""
+    ragged = sk.strategy("ep").replace(name="ep_ragged", kernels={"moe": "ragged"})
+    rows = {f"cf {MOE.capacity_factor}": cf,
+            "dropless (C = S)": train(dataclasses.replace(MOE, dropless=True), "ep", "data=2,expert=4", it, val, steps),
+            "ragged": train(MOE, ragged, "data=2,expert=4", it, val, steps)}  # fmt: skip
+    print(f"\ndispatch under ep (data=2,expert=4), {steps} steps; per device: compiled FLOPs and bytes accessed (XLA "
+          f"counts the scanned layer once), all-to-all bytes sent per step")  # fmt: skip
+    print(f"{'dispatch':<18} {'GFLOP':>8} {'GB acc.':>8} {'a2a KiB':>8} {'step ms':>8} {'val loss':>9} {'dropped':>8}")
+    for label, r in rows.items():
+        a2a = r["bytes_by_kind"].get("all-to-all", 0.0)
+        print(f"{label:<18} {r['flops'] / 1e9:8.2f} {r['bytes_accessed'] / 1e9:8.3f} {a2a / 1024:8.0f} "
+              f"{r['step_s'] * 1e3:8.1f} {r['val_loss']:9.4f} {r['final']['moe_dropped']:8.1%}")  # fmt: skip
+    rg, dl = rows["ragged"], rows["dropless (C = S)"]
+    a2a = lambda r: r["bytes_by_kind"].get("all-to-all", 0.0)
+    ratios = dict(ragged_flops_over_cf=rg["flops"] / cf["flops"], ragged_flops_over_dropless=rg["flops"] / dl["flops"],
+                  ragged_bytes_over_cf=rg["bytes_accessed"] / cf["bytes_accessed"],
+                  ragged_bytes_over_dropless=rg["bytes_accessed"] / dl["bytes_accessed"],
+                  ragged_a2a_over_dropless=a2a(rg) / a2a(dl), ragged_time_over_cf=rg["step_s"] / cf["step_s"],
+                  ragged_time_over_dropless=rg["step_s"] / dl["step_s"],
+                  ragged_minus_cf_val=rg["val_loss"] - cf["val_loss"])  # fmt: skip
+    print("ragged: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    return {"rows": rows, "ratios": ratios}
 
 
 if __name__ == "__main__":
