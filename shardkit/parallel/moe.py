@@ -6,9 +6,10 @@ top-k experts per token (k = 1 Switch, k = 2 GShard), each expert taking at most
 choices fill the experts in token order; second choices queue behind *all* first choices of the group (GShard);
 a token past its expert's capacity is dropped for that expert (its output keeps only the residual), unless C = S
 (`dropless`: no expert can receive more than S tokens of a group, first and second choices together). GShard
-renormalises the two gates to sum to 1; Switch keeps the top-1 probability. Returned: dispatch and combine
-tensors [G, S, E, C], the load-balancing loss mean_e(f_e p_e) E^2 (f_e: fraction of first choices sent to e,
-p_e: mean router probability of e; 1 when balanced) and the router z-loss mean(logsumexp(logits)^2).
+renormalises the two gates to sum to 1; Switch keeps the top-1 probability. Returned: the top-k experts and
+gates [G, S, k], dispatch and combine tensors [G, S, E, C] (not with cap=None), the load-balancing loss
+mean_e(f_e p_e) E^2 (f_e: fraction of first choices sent to e, p_e: mean router probability of e; 1 when
+balanced) and the router z-loss mean(logsumexp(logits)^2).
 
 Applying the experts (`apply`, the slot's entry point) dispatches [G, S, M] -> [E, G, C, M], runs
 `expert_fn(params, xe)` and combines back. Kernels:
@@ -336,7 +337,8 @@ def _record_path(name: str, axis: str | None, factor: float, n_x: int) -> None:
         path = "local: each device sorts its own groups, all experts on every device (no exchange)"
     else:
         rows = "never drops" if factor >= n_x else "pairs past the buffer are dropped and counted"
-        path = (f"padded all_to_all fallback over {axis!r} (ragged-all-to-all is not implemented by XLA:CPU): "
+        path = (f"padded all_to_all fallback over {axis!r} (jax.lax.ragged_all_to_all: unimplemented by XLA:CPU "
+                f"in jax 0.10.2, not wired here for other backends): "
                 f"a buffer of ceil({factor:g} x local pairs / {n_x}) rows per destination; {rows}")  # fmt: skip
     key = (name, axis, n_x)
     if key not in RAGGED_PATHS:
