@@ -1,12 +1,20 @@
 """Mixture of experts (shardkit/parallel/moe.py, the GPT's MoE blocks): routing against a per-token loop, capacity
 and dropping by hand, expert parallelism (2 all-to-alls per layer each way) against one device.
 
+The dropless `ragged` kernel (tokens sorted by expert, `sk.moe.grouped_dot`) against a dense reference (every
+expert on every token, masked by the routing) in float64, an expert-parallel buffer that overflows and one that
+cannot, and the GPT trained with it against today's dropless einsum; `grouped_dot` against `jax.lax.ragged_dot`
+and a per-group reference in float64, and its compiled FLOPs (the routed rows' plus at most E (tile - 1) rows).
+
 Tolerances: the layer against the per-token reference is the same fp32 arithmetic in another order (einsums over
 one-hot dispatch vs per-token matmuls): observed <= 3e-7 relative, asserted 1e-5 on outputs and gradients. GPT-MoE
-on 8 devices vs one: losses 1e-5 as the dp parity tests (reduction order).
+on 8 devices vs one: losses 1e-5 as the dp parity tests (reduction order). The ragged layer in float64: 1e-12 on
+outputs, 1e-11 on gradients (observed ~1e-13: float64 rounding of the same sums in another order).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +169,169 @@ def test_plan_covers_expert_parallelism():
     # more expert parallelism: less memory per device (the experts split further), more all-to-all traffic
     assert plans[8].memory["params"] < plans[4].memory["params"] < plans[2].memory["params"]
     assert plans[8].comm_bytes > plans[2].comm_bytes
+
+
+# --- the dropless `ragged` kernel (#28): tokens sorted by expert, grouped matmuls ---
+
+
+def _grouped(w, xs, sizes, **how):
+    gate, up = (sk.moe.grouped_dot(xs, w[0][:, :, i], sizes, **how) for i in (0, 1))
+    return sk.moe.grouped_dot(jax.nn.silu(gate) * up, w[1], sizes, **how)
+
+
+def _dense_reference(x, logits, w, top_k):
+    """Every expert on every token, masked by the routing and weighted by the gates (no sorting, no capacity)."""
+    r = sk.moe.route(logits, top_k, None)
+    weight = jnp.sum(jax.nn.one_hot(r["experts"], w[0].shape[0], dtype=x.dtype) * r["gates"][..., None], axis=-2)
+    gu = jnp.einsum("gsm,emtf->gsetf", x, w[0])
+    return jnp.einsum("gsef,efm,gse->gsm", jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], w[1], weight)
+
+
+def _layer_inputs(dtype, g=2, s=6, e=4, m=5, f=3):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(g, s, m)), dtype)
+    w_router = jnp.asarray(rng.normal(size=(m, e)), dtype)
+    bias = jnp.asarray([0.0] * (e - 1) + [-30.0], dtype)  # expert e-1 never in any token's top 2: an empty group
+    w = (jnp.asarray(rng.normal(size=(e, m, 2, f)), dtype), jnp.asarray(rng.normal(size=(e, f, m)), dtype))
+    return x, w_router, bias, w
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_ragged_layer_equals_the_dense_reference_in_float64(top_k):
+    mesh = sk.make_mesh("data=1", jax.devices()[:1])
+    with jax.enable_x64(True):
+        x, w_router, bias, w = _layer_inputs(jnp.float64)
+        logits = lambda x, w_router: jnp.einsum("gsm,me->gse", x, w_router) + bias
+
+        def ours(x, w_router, w):
+            with sk.use_rules(mesh, {}, kernels={"moe": "ragged"}):
+                assert sk.moe.is_grouped()
+                r = sk.moe.route(logits(x, w_router), top_k, None)
+                y, dropped = sk.moe.apply(x, r, None, w, grouped_fn=_grouped, with_dropped=True)
+            assert "dispatch" not in r and float(dropped) == 0 and float(r["dropped"]) == 0
+            return y
+
+        ref = lambda x, w_router, w: _dense_reference(x, logits(x, w_router), w, top_k)
+        counts = np.bincount(np.asarray(sk.moe.route(logits(x, w_router), top_k, None)["experts"]).ravel(), None, 4)
+        assert counts[-1] == 0 and counts.sum() == 2 * 6 * top_k  # an expert with no token; every pair routed
+        np.testing.assert_allclose(ours(x, w_router, w), ref(x, w_router, w), rtol=1e-12, atol=1e-12)
+        loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))
+        g_ours = jax.grad(loss(ours), argnums=(0, 1, 2))(x, w_router, w)
+        g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w_router, w)
+        for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref), strict=True):
+            assert a.dtype == jnp.float64
+            np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11 * float(np.abs(b).max()))
+        assert not np.any(np.asarray(g_ours[2][0][-1])) and not np.any(np.asarray(g_ours[2][1][-1]))  # empty: 0
+
+
+def test_ragged_expert_parallel_buffer_bound():
+    """ep's fixed buffer (ragged:<f>): every token on expert 0 overflows a factor-1 buffer (ceil(N / 4) rows of N
+    pairs reach device 0: 3/4 dropped, counted) and fits with f = 4 = the axis size (equal to the reference)."""
+    mesh = sk.make_mesh("data=2,expert=4")
+    rules = {"batch": ("data", "expert"), "experts": ("expert",)}
+    x, w_router, _, w = _layer_inputs(jnp.float32, g=8, s=4, e=8)
+    logits = jnp.einsum("gsm,me->gse", x, w_router).at[..., 0].add(50.0)  # every first choice: expert 0
+    ref = _dense_reference(x, logits, w, 1)
+
+    def layer(x, logits, w):
+        return sk.moe.apply(x, sk.moe.route(logits, 1, None), None, w, grouped_fn=_grouped, with_dropped=True)
+
+    for name, want in (("ragged:1", 0.75), ("ragged:4", 0.0)):
+        with sk.use_rules(mesh, rules, kernels={"moe": name}):
+            # a fresh function per kernel: jit's cache does not key on the kernel table (docs/jax_pitfalls.md §7)
+            y, dropped = jax.jit(lambda *a, _name=name: layer(*a))(x, logits, w)
+        assert float(dropped) == want
+        if want == 0:
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+    assert any("padded all_to_all fallback" in path for path in sk.moe.RAGGED_PATHS.values())
+
+
+def test_ragged_refuses_bad_input():
+    logits = jnp.zeros((1, 4, 4))
+    with pytest.raises(sk.ShardkitError, match="top_k=3"):
+        sk.moe.route(logits, 3, None)
+    mesh = sk.make_mesh("data=1", jax.devices()[:1])
+    w = (jnp.zeros((4, 2, 2, 3)), jnp.zeros((4, 3, 2)))
+    with sk.use_rules(mesh, {}, kernels={"moe": "ragged"}), pytest.raises(sk.ShardkitError, match="grouped_fn"):
+        sk.moe.apply(jnp.zeros((1, 4, 2)), sk.moe.route(logits, 1, None), _experts, w)
+    with sk.use_rules(mesh, {}, kernels={"moe": "einsum"}), pytest.raises(sk.ShardkitError, match="cap=None"):
+        sk.moe.apply(jnp.zeros((1, 4, 2)), sk.moe.route(logits, 1, None), _experts, w)
+    with sk.use_rules(mesh, {}, kernels={"moe": "ragged:x"}), pytest.raises(sk.ShardkitError, match="padding"):
+        sk.moe.apply(jnp.zeros((1, 4, 2)), sk.moe.route(logits, 1, None), _experts, w, grouped_fn=_grouped)
+
+
+def _per_group(x, w, sizes):
+    """The grouped matmul by hand: each group's rows times its expert's weights, rows past sum(sizes) zero."""
+    out, start = [], 0
+    for e, size in enumerate(sizes):
+        out.append(x[start : start + size] @ w[e])
+        start += size
+    return jnp.concatenate([*out, jnp.zeros((x.shape[0] - start, w.shape[2]), x.dtype)])
+
+
+@pytest.mark.parametrize("how", [{"tile": 4}, {"method": "tiled"}, {"method": "ragged_dot"}])
+def test_grouped_dot_equals_ragged_dot_in_float64(how):
+    """Sizes [9, 0, 5, 1, 4] of 23 rows: an empty group, groups over and under a tile of 4, 4 padding rows past the
+    sum (output 0); forward and gradients (x and w) against jax.lax.ragged_dot and a per-group reference."""
+    sizes = [9, 0, 5, 1, 4]
+    rng = np.random.default_rng(1)
+    with jax.enable_x64(True):
+        x, w = jnp.asarray(rng.normal(size=(23, 5))), jnp.asarray(rng.normal(size=(5, 5, 3)))
+        group_sizes = jnp.asarray(sizes, jnp.int32)
+        ours = jax.jit(lambda x, w: sk.moe.grouped_dot(x, w, group_sizes, **how))
+        ragged = lambda x, w: jax.lax.ragged_dot(x, w, group_sizes)
+        y = ours(x, w)
+        assert y.dtype == jnp.float64 and y.shape == (23, 3) and not np.any(np.asarray(y[19:]))
+        for ref in (ragged, lambda x, w: _per_group(x, w, sizes)):
+            np.testing.assert_allclose(y, ref(x, w), rtol=1e-13, atol=1e-13)
+            dy = jnp.asarray(rng.normal(size=(23, 3)))
+            loss = lambda fn, dy=dy: lambda x, w: jnp.sum(jnp.sin(fn(x, w)) * dy)
+            for a, b in zip(jax.grad(loss(ours), (0, 1))(x, w), jax.grad(loss(ref), (0, 1))(x, w), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+        assert not np.any(np.asarray(jax.grad(loss(ours), 1)(x, w)[1]))  # the empty group's weights: no gradient
+    with pytest.raises(sk.ShardkitError, match="method"):
+        sk.moe.grouped_dot(x, w, group_sizes, method="dense")
+
+
+@pytest.mark.parametrize("n, e", [(1024, 2), (512, 8)])
+def test_grouped_expert_flops_are_the_routed_rows(n, e):
+    """Compiled FLOPs of the grouped SwiGLU (3 grouped_dots, this backend's default path; M 64, mlp 128) against the
+    routed rows' 3 x 2 N M F: at most 10% over the routed rows plus grouped_dot's padding bound E (tile - 1) rows.
+    (1024, 2) is bench_moe's ep device (2 local experts, 1024 buffer rows): within 10% of the routed rows alone
+    (1.085 measured on CPU: 1.029 of padding, the rest XLA counting the gathers' elements, T K F for the weights).
+    Before grouped_dot, CPU compiled E x the routed FLOPs (ragged_dot's masked dense dot over all groups)."""
+    m, f = 64, 128
+    w = (jnp.zeros((e, m, 2, f)), jnp.zeros((e, f, m)))
+    sizes = jnp.zeros((e,), jnp.int32)  # FLOPs are static: the sizes' values do not matter
+    cost = jax.jit(_grouped).lower(w, jnp.zeros((n, m)), sizes).compile().cost_analysis()
+    flops = (cost[0] if isinstance(cost, list) else cost)["flops"]  # a list of one dict in some jax versions
+    routed = 3 * 2 * n * m * f
+    padded = 3 * 2 * (n + e * (sk.moe.TILE - 1)) * m * f
+    assert routed <= flops <= 1.1 * padded, (flops / routed, padded / routed)
+    if n >= 150 * e:  # the padding bound is under 10% of the routed rows
+        assert flops <= 1.1 * routed, flops / routed
+
+
+def test_gpt_moe_ragged_trains_like_dropless():
+    """3 SGD steps: moe=ragged on one device and under ep (data=2,expert=4; default buffer, nothing overflows at
+    these shapes) against today's dropless einsum (capacity = seq) on one device."""
+    cfg = dataclasses.replace(CFG, dropless=True)
+    batch = make_batch(16, 16, CFG.vocab_size)
+    one = sk.make_mesh("data=1", jax.devices()[:1])
+    runs = {}
+    for key, strategy, mesh in (("dropless", "dp", one),
+                                ("ragged", sk.strategy("dp").replace(kernels={"moe": "ragged"}), one),
+                                ("ragged_ep", sk.strategy("ep").replace(kernels={"moe": "ragged"}),
+                                 sk.make_mesh("data=2,expert=4"))):  # fmt: skip
+        model = sk.sharded_init(lambda rngs: GPT(cfg, rngs=rngs), mesh, strategy, seed=0)
+        step = sk.make_train_step(model, optax.sgd(0.3), mesh, strategy)
+        state, losses = step.init_state(), []
+        for _ in range(3):
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+            assert float(m["moe_dropped"]) == 0
+        runs[key] = losses, jax.tree.map(np.asarray, state.params)
+    for key in ("ragged", "ragged_ep"):
+        np.testing.assert_allclose(runs[key][0], runs["dropless"][0], rtol=1e-5)
+        for got, want in zip(jax.tree.leaves(runs[key][1]), jax.tree.leaves(runs["dropless"][1]), strict=True):
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
