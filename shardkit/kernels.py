@@ -42,6 +42,9 @@ class Kernel:
     #: (full name, a run's options for this kernel) -> full name: `sk.configure` applies the config section named
     #: after the kernel (e.g. `pipeline`: schedule, microbatches) to a strategy that uses it
     configure: Callable[[str, dict], str] | None = None
+    #: full name -> None, or ShardkitError for options the kernel cannot run ("ragged:x"): `lookup` calls it, so
+    #: a strategy's or a run's bad kernel options are refused when it names them, not when a step is traced
+    check: Callable[[str], Any] | None = None
 
 
 _REGISTRY: dict[str, dict[str, Kernel]] = {}
@@ -49,10 +52,10 @@ _REGISTRY: dict[str, dict[str, Kernel]] = {}
 
 def register(
     slot: str, name: str, fn: Callable[..., Any], *, layout: LayoutFn | None = None, description: str = "",
-    configure: Callable[[str, dict], str] | None = None,
+    configure: Callable[[str, dict], str] | None = None, check: Callable[[str], Any] | None = None,
 ) -> Kernel:  # fmt: skip
     """Registers `fn` as implementation `name` of `slot` (replacing one of the same name)."""
-    kernel = Kernel(slot, name, fn, layout, description, configure)
+    kernel = Kernel(slot, name, fn, layout, description, configure, check)
     _REGISTRY.setdefault(slot, {})[name] = kernel
     return kernel
 
@@ -72,6 +75,8 @@ def lookup(slot: str, name: str) -> Kernel:
     probe = name
     while True:
         if probe in table:
+            if table[probe].check is not None:
+                table[probe].check(name)
             return table[probe]
         if ":" not in probe:
             break

@@ -258,6 +258,11 @@ def test_ragged_refuses_bad_input():
         sk.moe.apply(jnp.zeros((1, 4, 2)), sk.moe.route(logits, 1, None), _experts, w)
     with sk.use_rules(mesh, {}, kernels={"moe": "ragged:x"}), pytest.raises(sk.ShardkitError, match="padding"):
         sk.moe.apply(jnp.zeros((1, 4, 2)), sk.moe.route(logits, 1, None), _experts, w, grouped_fn=_grouped)
+    from experiments import runtime  # the CLI's --config.kernels: refused when named, before anything is built
+
+    with pytest.raises(sk.ShardkitError, match=r"moe kernel 'ragged:x': ragged or ragged:<padding factor > 0>"):
+        runtime.with_kernels(sk.strategy("ep"), "moe=ragged:x")
+    assert runtime.with_kernels(sk.strategy("ep"), "moe=ragged:4").kernels["moe"] == "ragged:4"
 
 
 def _per_group(x, w, sizes):

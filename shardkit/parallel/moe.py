@@ -440,7 +440,8 @@ def _record_path(name: str, axis: str | None, factor: float, n_x: int) -> None:
 kernels.register("moe", "einsum", _einsum, description="dispatch / combine einsums under GSPMD")
 kernels.register("moe", "all_to_all", _all_to_all, description="expert parallelism: 2 all-to-alls per layer")
 kernels.register("moe", "ragged", _ragged, description="dropless: tokens sorted by expert, grouped matmuls "
-                 "(grouped_dot); ragged:<f> bounds the expert-parallel buffer (MegaBlocks, 2211.15841)")  # fmt: skip
+                 "(grouped_dot); ragged:<f> bounds the expert-parallel buffer (MegaBlocks, 2211.15841)",
+                 check=_ragged_padding)  # fmt: skip
 
 
 def is_grouped() -> bool:
