@@ -42,6 +42,8 @@ class Kernel:
     #: (full name, a run's options for this kernel) -> full name: `sk.configure` applies the config section named
     #: after the kernel (e.g. `pipeline`: schedule, microbatches) to a strategy that uses it
     configure: Callable[[str, dict], str] | None = None
+    #: full name -> a ShardkitError for options the kernel cannot run with (`check` calls it, before any trace)
+    check: Callable[[str], Any] | None = None
 
 
 _REGISTRY: dict[str, dict[str, Kernel]] = {}
@@ -49,10 +51,10 @@ _REGISTRY: dict[str, dict[str, Kernel]] = {}
 
 def register(
     slot: str, name: str, fn: Callable[..., Any], *, layout: LayoutFn | None = None, description: str = "",
-    configure: Callable[[str, dict], str] | None = None,
+    configure: Callable[[str, dict], str] | None = None, check: Callable[[str], Any] | None = None,
 ) -> Kernel:  # fmt: skip
     """Registers `fn` as implementation `name` of `slot` (replacing one of the same name)."""
-    kernel = Kernel(slot, name, fn, layout, description, configure)
+    kernel = Kernel(slot, name, fn, layout, description, configure, check)
     _REGISTRY.setdefault(slot, {})[name] = kernel
     return kernel
 
@@ -95,10 +97,13 @@ def active(slot: str) -> tuple[Kernel, str, Any]:
 
 def check(kernels: Mapping[str, str]) -> None:
     """Every (slot, name) of a strategy's table names a registered kernel (slots not registered yet are kept:
-    a model's own slot may be registered after the strategy is defined)."""
+    a model's own slot may be registered after the strategy is defined), and its options are ones it can run
+    with (the kernel's own `check`, e.g. a remat policy's tagged names or host offload on this backend)."""
     for slot, name in kernels.items():
         if slot in _REGISTRY:
-            lookup(slot, name)
+            kernel = lookup(slot, name)
+            if kernel.check is not None:
+                kernel.check(name)
 
 
 def batch_layout(strategy: Any, mesh: Mesh) -> Layout:
