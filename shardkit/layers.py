@@ -180,10 +180,11 @@ for _name, _fn, _what in [
 
 
 def _platform() -> str:
-    ctx = current_context()
-    devices = getattr(getattr(ctx, "mesh", None), "devices", None)  # an abstract mesh (inside shard_map) has none
-    if devices is not None and getattr(devices, "size", 0):
-        return devices.flat[0].platform
+    """The active mesh's platform; the default backend's outside a step or on an abstract mesh (inside shard_map,
+    whose `devices` raise)."""
+    mesh = getattr(current_context(), "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        return mesh.devices.flat[0].platform
     return jax.default_backend()
 
 
