@@ -177,14 +177,24 @@ class RunLock:
 
 
 def with_kernels(strategy: sk.Strategy, spec: str) -> sk.Strategy:
-    """The strategy with `--config.kernels="slot=name,..."` over its kernel table; ShardkitError naming a bad entry."""
-    table = {}
+    """The strategy with `--config.kernels="slot=name,..."` over its kernel table; ShardkitError naming a bad entry.
+
+    A piece without `=` continues the previous kernel's options list: "remat=names:qkv_proj,mlp_in,norm=group" is
+    remat = "names:qkv_proj,mlp_in" and norm = "group"."""
+    table: dict[str, str] = {}
+    last = None
     for item in filter(None, (p.strip() for p in (spec or "").split(","))):
         slot, sep, name = item.partition("=")
+        if not sep and last is not None and ":" in table[last]:
+            table[last] += "," + item
+            continue
         if not sep or not slot.strip() or not name.strip():
             raise sk.ShardkitError(f"kernels={spec!r}: write slot=name pairs separated by commas, e.g. 'norm=group'")
-        sk.kernels.lookup(slot.strip(), name.strip())  # unknown slot or kernel: an error listing what exists
-        table[slot.strip()] = name.strip()
+        last = slot.strip()
+        table[last] = name.strip()
+    for slot, name in table.items():
+        sk.kernels.lookup(slot, name)  # unknown slot or kernel: an error listing what exists
+    sk.kernels.check(table)  # options a kernel cannot take (a remat policy's names, host offload on this backend)
     return strategy.replace(kernels=table) if table else strategy
 
 
@@ -193,7 +203,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from shardkit.parallel import pipeline, sdp
 
     return {
-        "model.remat": tuple(sk.layers.REMAT_POLICIES),
+        "model.remat": tuple(sk.layers.REMAT_ALIASES),
         "optimizer.name": ("adamw",),
         "pipeline.schedule": pipeline.SCHEDULES,
         "hetero.mode": ("loop", "pad"),
@@ -235,6 +245,8 @@ def strategy_of(config: Any, devices: int) -> sk.Strategy:
     strategy = sk.configure(config.strategy, config.to_dict(), devices=devices, global_batch=config.batch_size,
                             preset=mesh_preset(config))  # fmt: skip
     strategy = with_kernels(strategy, config.get("kernels", ""))
+    if "model" in config and "remat" in config.model:  # the GPT's alias and the remat kernel: one policy, or an error
+        sk.layers.combine_remat(strategy.kernels.get("remat"), config.model.remat)
     return strategy.replace(strict_names=True) if config.get("strict_names", False) else strategy
 
 

@@ -21,6 +21,11 @@ from flax import nnx
 import shardkit as sk
 from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
 
+#: The values every block tags for the `names:` / `offload:` remat policies (docs/memory.md): the fused Q/K/V projection
+#: [b, s, kv_heads, g + 2, head_dim], the attention kernel's output [b, s, heads, head_dim] and its output projection
+#: [b, s, embed], the MLP's (normed) input [b, s, embed] and its hidden activation silu(gate) * up [b, s, mlp].
+CHECKPOINT_NAMES = ("qkv_proj", "attn_out", "out_proj", "mlp_in", "mlp_hidden")
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -37,7 +42,9 @@ class GPTConfig:
     norm_eps: float = 1e-6
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision)
     param_dtype: str = "float32"
-    remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs, recompute the rest)
+    #: an alias of the `remat` kernel slot (docs/memory.md): "none" (the strategy's slot decides), "full", or "dots"
+    #: (= the slot's "dots_no_batch": the projections' outputs kept); a slot naming another policy is an error
+    remat: str = "none"
     init_std: float = 0.02
     # mixture of experts (shardkit/parallel/moe.py): every block's MLP becomes `num_experts` SwiGLU experts
     num_experts: int = 0  # 0 = dense
@@ -67,8 +74,10 @@ class GPTConfig:
             raise sk.ShardkitError(f"num_experts={self.num_experts}, top_k={self.top_k}: experts >= 0, top_k 1 or 2")
         if self.num_experts and self.top_k > self.num_experts:
             raise sk.ShardkitError(f"top_k={self.top_k} needs at least that many experts, not {self.num_experts}")
-        if self.remat not in sk.layers.REMAT_POLICIES:
-            raise sk.ShardkitError(f"remat={self.remat!r}: choose 'none', 'full' or 'dots'")
+        if self.remat not in sk.layers.REMAT_ALIASES:
+            choices = ", ".join(sk.layers.REMAT_ALIASES)
+            raise sk.ShardkitError(f"remat={self.remat!r}: choose one of {choices} (any other policy: the strategy's "
+                                   "remat kernel, kernels={'remat': ...}, docs/memory.md)")  # fmt: skip
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Parameter count; without the embedding table it is the N of FLOPs = 6N per token."""
@@ -110,7 +119,10 @@ class GPTConfig:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         comms = gpt_cost.strategy_comms(family, self, mesh, batch, seq, nbytes, backend, gspmd=family == "tp3d")
-        memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes)
+        # the remat kernel, where the strategy sets one, over the alias (the formulas know "full"; any other = none)
+        remat = sk.layers.combine_remat(sk.strategy(strategy).kernels.get("remat"), self.remat)
+        cfg = dataclasses.replace(self, remat="full" if remat == "full" else "none")
+        memory = gpt_cost.memory(family, cfg, mesh, batch, seq, nbytes)
         return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend})"
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
@@ -182,7 +194,7 @@ class Block(nnx.Module):
         h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
         h = sk.constrain(h, (BATCH, SEQ, EMBED))  # Megatron-SP's all-gather of the sequence (no-op without SP)
         qkv = jnp.einsum("bse,ekgh->bskgh", h, self.wqkv[...].astype(dt))
-        qkv = sk.constrain(qkv, (BATCH, SEQ, KV_HEADS, None, HEAD_DIM))
+        qkv = sk.layers.tag(sk.constrain(qkv, (BATCH, SEQ, KV_HEADS, None, HEAD_DIM)), "qkv_proj")
         b, s, kv, g2, hd = qkv.shape
         q = sk.constrain(qkv[:, :, :, : g2 - 2].reshape(b, s, kv * (g2 - 2), hd), (BATCH, SEQ, HEADS, HEAD_DIM))
         kv_axes = (BATCH, SEQ, KV_HEADS, HEAD_DIM)
@@ -190,15 +202,16 @@ class Block(nnx.Module):
         q = sk.constrain(rope(q, positions, cfg.rope_theta), (BATCH, SEQ, HEADS, HEAD_DIM))
         k = sk.constrain(rope(k, positions, cfg.rope_theta), kv_axes)
         o = sk.attention.attend(q, k, v, causal=True, segment_ids=segment_ids)
-        o = sk.constrain(o, (BATCH, SEQ, HEADS, HEAD_DIM))
-        x = x + sk.constrain(jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dt)), (BATCH, RES_SEQ, EMBED))
+        o = sk.layers.tag(sk.constrain(o, (BATCH, SEQ, HEADS, HEAD_DIM)), "attn_out")
+        proj = sk.constrain(jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dt)), (BATCH, RES_SEQ, EMBED))
+        x = x + sk.layers.tag(proj, "out_proj")
 
         h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
-        h = sk.constrain(h, (BATCH, SEQ, EMBED))
+        h = sk.layers.tag(sk.constrain(h, (BATCH, SEQ, EMBED)), "mlp_in")
         if cfg.num_experts:
             return self._moe(x, h)
         gu = sk.constrain(jnp.einsum("bse,etf->bstf", h, self.w_gate_up[...].astype(dt)), (BATCH, SEQ, None, MLP))
-        act = sk.constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP))
+        act = sk.layers.tag(sk.constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP)), "mlp_hidden")
         y = jnp.einsum("bsf,fe->bse", act, self.w_down[...].astype(dt))
         return x + sk.constrain(y, (BATCH, RES_SEQ, EMBED))
 

@@ -23,8 +23,9 @@ GPT's `layers`) and so that a strategy can find them by the logical name `layers
 gives each device a subset of a stage's stacked blocks and merges the model with that shorter stack, which is why
 the scan's length is the stack's leading dimension, never `cfg.blocks`. In training the scan returns each block's
 updated running statistics and writes them back, exactly as the blocks run one by one would; in eval mode
-(`model.eval()`) the running statistics are used and left as they are. Convolutions have no bias (BatchNorm
-follows each).
+(`model.eval()`) the running statistics are used and left as they are. Each stacked block runs under the strategy's
+`remat` kernel (docs/memory.md; its two convolutions' outputs are tagged `conv1`, `conv2` for `names:`).
+Convolutions have no bias (BatchNorm follows each).
 
 Every parameter is named through `nnx.with_partitioning`, as Flax writes names: conv kernels
 `(None, None, None, "channels")` (their output channels), BatchNorm scale / bias `("channels",)`, the head
@@ -131,8 +132,8 @@ class BasicBlock(nnx.Module):
             self.proj, self.proj_norm = nnx.data(None), nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = nnx.relu(self.norm1(self.conv1(x)))
-        h = self.norm2(self.conv2(h))
+        h = nnx.relu(self.norm1(sk.layers.tag(self.conv1(x), "conv1")))  # tagged for the `names:` remat policy
+        h = self.norm2(sk.layers.tag(self.conv2(h), "conv2"))
         skip = x if self.proj is None else self.proj_norm(self.proj(x))
         return sk.constrain(nnx.relu(h + skip), _ACT)
 
@@ -171,8 +172,9 @@ class Stage(nnx.Module):
             x = block(x)  # constrained to _ACT inside
             return x, nnx.state(block, nnx.BatchStat) if train else None
 
-        # The length is the stack's leading dimension (SDP merges a stack of k < blocks[i] - 1 blocks).
-        x, stats = jax.lax.scan(body, x, stacked)
+        # The length is the stack's leading dimension (SDP merges a stack of k < blocks[i] - 1 blocks). Each block
+        # runs under the strategy's remat kernel (`kernels={"remat": ...}`, docs/memory.md), as `sk.layers` stacks do.
+        x, stats = jax.lax.scan(sk.layers.checkpoint(body), x, stacked)
         if train:  # each block's running statistics, updated from its own batch statistics
             nnx.update(self.stack, stats)
         return x

@@ -42,8 +42,7 @@ class Kernel:
     #: (full name, a run's options for this kernel) -> full name: `sk.configure` applies the config section named
     #: after the kernel (e.g. `pipeline`: schedule, microbatches) to a strategy that uses it
     configure: Callable[[str, dict], str] | None = None
-    #: full name -> None, or ShardkitError for options the kernel cannot run ("ragged:x"): `lookup` calls it, so
-    #: a strategy's or a run's bad kernel options are refused when it names them, not when a step is traced
+    #: full name -> a ShardkitError for options the kernel cannot run with (`check` calls it, before any trace)
     check: Callable[[str], Any] | None = None
 
 
@@ -75,8 +74,6 @@ def lookup(slot: str, name: str) -> Kernel:
     probe = name
     while True:
         if probe in table:
-            if table[probe].check is not None:
-                table[probe].check(name)
             return table[probe]
         if ":" not in probe:
             break
@@ -100,10 +97,13 @@ def active(slot: str) -> tuple[Kernel, str, Any]:
 
 def check(kernels: Mapping[str, str]) -> None:
     """Every (slot, name) of a strategy's table names a registered kernel (slots not registered yet are kept:
-    a model's own slot may be registered after the strategy is defined)."""
+    a model's own slot may be registered after the strategy is defined), and its options are ones it can run
+    with (the kernel's own `check`, e.g. a remat policy's tagged names or host offload on this backend)."""
     for slot, name in kernels.items():
         if slot in _REGISTRY:
-            lookup(slot, name)
+            kernel = lookup(slot, name)
+            if kernel.check is not None:
+                kernel.check(name)
 
 
 def batch_layout(strategy: Any, mesh: Mesh) -> Layout:

@@ -6,7 +6,9 @@ Models keep their blocks as one module whose parameters have a leading `layers` 
 
 with `block_fn(layer_state, x, *args) -> x`; `args` are per-example arrays ([batch, ...], or None) that travel
 with `x`. The default kernel is a `lax.scan` (compile time independent of depth). A strategy whose `layers`
-kernel table names another `layers` kernel (e.g. a pipeline schedule) gets the same call instead.
+kernel table names another `layers` kernel (e.g. a pipeline schedule) gets the same call instead. Each layer runs
+under the strategy's `remat` kernel (`kernels={"remat": "dots"}`: which activations the backward pass keeps and
+which it recomputes, docs/memory.md); a model that scans its stacked layers itself wraps its body in `checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,15 +20,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
-
-REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block in backward
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs, recompute the rest
-}
+from shardkit.rules import current_context
 
 BlockFn = Callable[..., jax.Array]
 StackKernel = Callable[..., jax.Array]
@@ -34,7 +32,10 @@ StackKernel = Callable[..., jax.Array]
 
 def register_stack(name: str, fn: StackKernel, configure: Callable[[str, dict], str] | None = None) -> None:
     """A strategy with `kernels={"layers": name}` makes `apply_stack` call
-    `fn(block_fn, stacked, x, *args, remat, context)`; a name may carry options after a colon ("pipeline:1f1b")."""
+    `fn(block_fn, stacked, x, *args, remat, context)`; a name may carry options after a colon ("pipeline:1f1b").
+
+    `remat` is the name of the remat kernel that runs (resolved by `apply_stack`): wrap the per-layer body with
+    `sk.layers.checkpoint(body, remat)`."""
     kernels.register("layers", name, fn, configure=configure)
 
 
@@ -46,9 +47,7 @@ def scan_stack(
     def body(x: jax.Array, layer: Any) -> tuple[jax.Array, None]:
         return block_fn(layer, x, *args), None
 
-    if REMAT_POLICIES[remat] is not None:
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
-    return jax.lax.scan(body, x, stacked)[0]
+    return jax.lax.scan(checkpoint(body, remat), x, stacked)[0]
 
 
 register_stack("scan", scan_stack)
@@ -59,9 +58,7 @@ def unrolled_stack(
 ) -> jax.Array:
     """The same as `scan_stack` as L inlined layers: no per-layer dynamic slices of the weights, no stacked
     residuals written and read back by dynamic-update-slice; compile time grows with L."""
-    body = lambda layer, x: block_fn(layer, x, *args)
-    if REMAT_POLICIES[remat] is not None:
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
+    body = checkpoint(lambda layer, x: block_fn(layer, x, *args), remat)
     # one split per weight (its transpose is one concatenation), not L slices (whose transposes are L pads + adds)
     n = jax.tree.leaves(stacked)[0].shape[0]
     pieces = jax.tree.map(lambda a: [p[0] for p in jnp.split(a, n)], stacked)
@@ -74,11 +71,161 @@ register_stack("unrolled", unrolled_stack)
 
 
 def apply_stack(block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat: str = "none") -> jax.Array:
-    """Applies the L stacked layers to x with the kernel the active strategy chose (default: scan)."""
-    if remat not in REMAT_POLICIES:
-        raise ShardkitError(f"remat={remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+    """Applies the L stacked layers to x with the kernel the active strategy chose (default: scan), each layer
+    rematerialized by the strategy's `remat` kernel (or the model's own `remat=`, an alias: see `resolve_remat`)."""
+    name = resolve_remat(remat)
+    remat_policy(name)  # a bad name or an unsupported offload: ShardkitError before any kernel traces
     kernel, _, ctx = kernels.active("layers")
-    return kernel.fn(block_fn, stacked, x, *args, remat=remat, context=ctx)
+    return kernel.fn(block_fn, stacked, x, *args, remat=name, context=ctx)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Rematerialization slot (docs/memory.md). The strategy's `kernels={"remat": policy}` (`--config.kernels=remat=...`)
+# names which activations each stacked layer keeps for the backward pass; the rest is recomputed there. Every
+# policy is a `jax.checkpoint` policy around one layer's body, applied by the layer-stack kernels above (and by
+# any model's own scan through `checkpoint(body)`), so it reaches every model's stacked layers. Values a model
+# tags with `sk.layers.tag(x, name)` (jax's `checkpoint_name`) can be saved, or offloaded to host memory, by name.
+DEFAULTS = kernels.DEFAULTS
+DEFAULTS.setdefault("remat", "none")
+
+#: The remat policies, as they are written (`names:` / `offload:` take a comma-separated list of tagged names).
+REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "names:<a,b>", "offload:<a,b>")
+#: A model's own older `remat=` values (the GPT's `GPTConfig.remat`) -> the remat kernel each means. `dots` kept
+#: its meaning: matmuls without batch dimensions (the projections), not attention's batched score matmuls.
+REMAT_ALIASES: dict[str, str] = {"none": "none", "full": "full", "dots": "dots_no_batch"}
+
+#: The host memory kind offloaded residuals go to, and what a backend must have for `offload:`.
+OFFLOAD_DST = "pinned_host"
+
+
+def _no_options(name: str, base: str) -> None:
+    if name != base:
+        raise ShardkitError(
+            f"remat policy {name!r}: {base!r} takes no options; choose one of {', '.join(REMAT_CHOICES)}"
+        )
+
+
+def _names_of(name: str, base: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in name.partition(":")[2].split(","))
+    if name == base or not all(names):
+        raise ShardkitError(
+            f"remat policy {name!r}: give the tagged names after a colon, comma-separated, e.g. "
+            f"'{base}:attn_qkv,mlp_hidden' (the names the models tag: docs/memory.md)"
+        )
+    return names
+
+
+def _host_memory(platform: str) -> str | None:
+    """Why `platform`'s devices cannot offload activations to `OFFLOAD_DST` memory ("" if they can)."""
+    devices = [d for d in jax.devices() if d.platform == platform] or jax.devices()
+    device = devices[0]
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+        default = device.default_memory().kind
+    except Exception as e:  # a backend without memory spaces
+        return f"its devices report no memory spaces ({type(e).__name__}: {e})"
+    if OFFLOAD_DST not in kinds:
+        return f"its devices have memory kinds {sorted(kinds)}, no {OFFLOAD_DST!r}"
+    if default == OFFLOAD_DST or platform == "cpu":  # XLA:CPU compiles the memory-kind moves away (jax 0.10.2)
+        return "its device memory is host memory, and XLA:CPU compiles the moves to pinned_host away (nothing moves)"
+    return ""
+
+
+def _none(name: str, platform: str) -> None:
+    _no_options(name, "none")
+    return None
+
+
+def _full(name: str, platform: str) -> Callable[..., Any]:
+    _no_options(name, "full")
+    return jax.checkpoint_policies.nothing_saveable
+
+
+def _dots(name: str, platform: str) -> Callable[..., Any]:
+    _no_options(name, "dots")
+    return jax.checkpoint_policies.dots_saveable
+
+
+def _dots_no_batch(name: str, platform: str) -> Callable[..., Any]:
+    _no_options(name, "dots_no_batch")
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def _names(name: str, platform: str) -> Callable[..., Any]:
+    return jax.checkpoint_policies.save_only_these_names(*_names_of(name, "names"))
+
+
+def _offload(name: str, platform: str) -> Callable[..., Any]:
+    names = _names_of(name, "offload")
+    why = _host_memory(platform)
+    if why:
+        raise ShardkitError(
+            f"remat policy {name!r}: the {platform!r} backend cannot offload activations to host memory: {why}. "
+            f"Keep them on the device instead: 'names:{','.join(names)}' (saved) or 'full' (recomputed)"
+        )
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=names, offload_src="device", offload_dst=OFFLOAD_DST
+    )
+
+
+for _name, _fn, _what in [
+    ("none", _none, "save every activation (no rematerialization)"),
+    ("full", _full, "save only each layer's input, recompute the layer in the backward pass"),
+    ("dots", _dots, "save matmul and convolution outputs, recompute the rest"),
+    ("dots_no_batch", _dots_no_batch, "save the outputs of matmuls without batch dimensions, recompute the rest"),
+    ("names", _names, "save only the values tagged with the given names (checkpoint_name), recompute the rest"),
+    ("offload", _offload, f"offload the values tagged with the given names to {OFFLOAD_DST} memory"),
+]:
+    kernels.register("remat", _name, _fn, description=_what, check=lambda name: remat_policy(name))
+
+
+def _platform() -> str:
+    """The active mesh's platform; the default backend's outside a step or on an abstract mesh (inside shard_map,
+    whose `devices` raise)."""
+    mesh = getattr(current_context(), "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def remat_policy(name: str, platform: str | None = None) -> Callable[..., Any] | None:
+    """The `jax.checkpoint` policy of remat kernel `name` on `platform` (default: the active mesh's), None for
+    "none"; a ShardkitError listing the policies for a bad name, or naming the backend for an impossible offload."""
+    if not isinstance(name, str) or name.partition(":")[0] not in kernels.available("remat"):
+        raise ShardkitError(f"remat policy {name!r}: choose one of {', '.join(REMAT_CHOICES)} (docs/memory.md)")
+    return kernels.lookup("remat", name).fn(name, platform or _platform())
+
+
+def combine_remat(slot: str | None, model_remat: str | None = "none") -> str:
+    """The remat kernel that runs: the strategy's `remat` slot (None: not set), else the model's own `remat=` (an
+    alias: `REMAT_ALIASES`; "none" counts as not set), else "none"; a ShardkitError when both name a policy and
+    the policies differ."""
+    model = None if model_remat in (None, "none") else REMAT_ALIASES.get(model_remat, model_remat)
+    if slot is not None and model is not None and slot != model:
+        raise ShardkitError(
+            f"remat: the strategy's kernels={{'remat': {slot!r}}} and the model's remat={model_remat!r} (= {model!r})"
+            " disagree; choose one: set the model's remat to 'none' to let the strategy's kernel decide"
+        )
+    return slot or model or "none"
+
+
+def resolve_remat(model_remat: str | None = "none") -> str:
+    """`combine_remat` of the active strategy's `remat` slot (none outside a train step) and the model's `remat=`."""
+    ctx = current_context()
+    return combine_remat(ctx.kernels.get("remat") if ctx is not None else None, model_remat)
+
+
+def checkpoint(fn: Callable[..., Any], remat: str | None = None) -> Callable[..., Any]:
+    """`fn` (one layer's body) under `jax.checkpoint` with remat policy `remat` (default: the active strategy's
+    remat kernel); `fn` itself for "none". For a model that scans its own stacked layers (models/resnet.py)."""
+    name = resolve_remat() if remat is None else remat
+    policy = remat_policy(name)
+    return fn if policy is None else jax.checkpoint(fn, policy=policy)
+
+
+def tag(x: Any, name: str) -> Any:
+    """`x` tagged `name` for the `names:` / `offload:` remat policies (jax's `checkpoint_name`; an identity)."""
+    return checkpoint_name(x, name)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -92,7 +239,6 @@ def apply_stack(block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat
 # rules, which inserts the halos itself) or "halo" (explicit ppermute halo exchange). Both kernels live and register
 # themselves in shardkit/parallel/spatial.py and check the split against the same constraints first, so a bad split
 # is an error naming the layer.
-DEFAULTS = kernels.DEFAULTS
 DEFAULTS.setdefault("conv", "xla")
 DEFAULTS.setdefault("pool", "xla")
 
