@@ -98,6 +98,14 @@ def require_one_axis(mesh: Mesh, axis: str, who: str, microbatches: int) -> None
         )
 
 
+def _private(tree: Any, shardings: Any) -> Any:
+    """Arrays about to be moved to other shardings, copied first: device_put(may_alias=False) onto another device
+    set (a model initialised on one device, put on an 8-device mesh) still reused the device-0 buffer, and the first
+    step's donation deleted the user's model (tests/test_reliability.py)."""
+    copy = lambda a, s: a.copy() if isinstance(a, jax.Array) and a.sharding != s else a
+    return jax.tree.map(copy, tree, shardings)
+
+
 def _param_specs(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     return {
         jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(params)
@@ -246,8 +254,8 @@ class TrainStep(abc.ABC):
         check_alive(params, "the model's parameters")
         # copies (may_alias=False): each step donates the state it is given, so the state must not share buffers
         # with the user's model, which would be deleted by the first step (issue #15)
-        params = jax.device_put(params, self.param_shardings, may_alias=False)
-        rest = jax.device_put(rest, self.model_state_shardings, may_alias=False)
+        params = jax.device_put(_private(params, self.param_shardings), self.param_shardings, may_alias=False)
+        rest = jax.device_put(_private(rest, self.model_state_shardings), self.model_state_shardings, may_alias=False)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)
