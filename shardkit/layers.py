@@ -47,7 +47,21 @@ def scan_stack(
     def body(x: jax.Array, layer: Any) -> tuple[jax.Array, None]:
         return block_fn(layer, x, *args), None
 
-    return jax.lax.scan(checkpoint(body, remat), x, stacked)[0]
+    return jax.lax.scan(checkpoint(body, remat), _varying_like(x, stacked), stacked)[0]
+
+
+def _varying_like(carry: Any, stacked: Any) -> Any:
+    """Inside shard_map (hetero_dp's per-device loop), the carry's leaves varying over every manual axis that any
+    carry leaf or layer varies over: a layer mixes them, and scan needs the carry's type to be the same after it
+    (the MoE GPT's (x, zeros(3)) carry: x varies over `data`, the zeros did not)."""
+
+    def vma(a: Any) -> frozenset:
+        t = jax.typeof(a)  # jax 0.12: aval.vma; jax 0.10: aval.manual_axis_type.varying
+        return frozenset(getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ()))
+
+    axes = frozenset().union(*(vma(a) for a in jax.tree.leaves((carry, stacked))))
+    cast = lambda a: jax.lax.pcast(a, tuple(sorted(axes - vma(a))), to="varying") if axes - vma(a) else a
+    return jax.tree.map(cast, carry) if axes else carry
 
 
 register_stack("scan", scan_stack)

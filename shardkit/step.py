@@ -98,6 +98,14 @@ def require_one_axis(mesh: Mesh, axis: str, who: str, microbatches: int) -> None
         )
 
 
+def _private(tree: Any, shardings: Any) -> Any:
+    """Arrays about to be moved to other shardings, copied first: device_put(may_alias=False) onto another device
+    set (a model initialised on one device, put on an 8-device mesh) still reused the device-0 buffer, and the first
+    step's donation deleted the user's model (tests/test_reliability.py)."""
+    copy = lambda a, s: a.copy() if isinstance(a, jax.Array) and a.sharding != s else a
+    return jax.tree.map(copy, tree, shardings)
+
+
 def _param_specs(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     return {
         jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(params)
@@ -138,6 +146,7 @@ class TrainStep(abc.ABC):
         strict = self.strategy.strict_names
         self.param_names = state_logical_axes(params, strict=strict)  # pure dict of each parameter's logical names
         self.unnamed_params = unnamed_parameters(params)  # (path, shape, bytes): replicated, listed by explain
+        self._check_every_axis_shards_something(model, rest)
         scopes = self.bound.scopes  # Whale-style per-module rules (Strategy.scopes)
         self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes, strict=strict)
         self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes, strict=strict)
@@ -162,6 +171,36 @@ class TrainStep(abc.ABC):
         self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
         self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
         self.setup()
+
+    def _check_every_axis_shards_something(self, model: nnx.Module, rest: Any) -> None:
+        """Refuses a mesh axis (size > 1) that the strategy maps only to logical names this model's parameters,
+        model state and batch never use: every device along it would compute the same thing (Strategy.bind's rule,
+        per model). A ResNet under cp_ring would replicate its whole step over `seq`; under `spatial` (no `depth`)
+        GSPMD's height / width splits of nnx.Conv even trained 20% off one device."""
+        names: set[str] = set()
+
+        def collect(tree: Any) -> None:
+            for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)):
+                if isinstance(leaf, tuple):
+                    names.update(n for n in leaf if isinstance(n, str))
+                elif isinstance(leaf, str):
+                    names.add(leaf)
+
+        collect(self.param_names)
+        collect(state_logical_axes(rest, require=False) if jax.tree.leaves(rest) else {})
+        collect(self.batch_axes)
+        b = self.bound
+        tables = [b.param_rules, b.compute_rules, b.opt_rules, *b.scopes.values()]
+        used = {a for t in tables for n, axes in t.items() if n in names for a in (axes or ())}
+        for axis, size in self.mesh.shape.items():
+            if size > 1 and axis not in used:
+                mapped = sorted({n for t in tables for n, axes in t.items() if axis in (axes or ())})
+                raise ShardkitError(
+                    f"strategy {self.strategy.name!r} shards mesh axis {axis!r} (size {size}) over logical names "
+                    f"{mapped}, and {type(model).__name__}'s parameters and batch name none of them (they name "
+                    f"{sorted(names)}): every device along {axis!r} would compute the same thing. Use a strategy "
+                    f"for this model, drop {axis!r} from the mesh, or name the model's dimensions (batch_axes=...)"
+                )
 
     def setup(self) -> None:  # noqa: B027  (optional hook: most steps need none)
         """A subclass's own construction, after the common one (its options: `self.strategy.options`)."""
@@ -215,8 +254,8 @@ class TrainStep(abc.ABC):
         check_alive(params, "the model's parameters")
         # copies (may_alias=False): each step donates the state it is given, so the state must not share buffers
         # with the user's model, which would be deleted by the first step (issue #15)
-        params = jax.device_put(params, self.param_shardings, may_alias=False)
-        rest = jax.device_put(rest, self.model_state_shardings, may_alias=False)
+        params = jax.device_put(_private(params, self.param_shardings), self.param_shardings, may_alias=False)
+        rest = jax.device_put(_private(rest, self.model_state_shardings), self.model_state_shardings, may_alias=False)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)

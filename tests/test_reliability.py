@@ -44,6 +44,16 @@ def test_the_state_never_aliases_the_model_and_a_consumed_state_is_an_error(run)
     assert not any(x.is_deleted() for x in jax.tree.leaves(new))
 
 
+def test_a_model_from_one_device_survives_the_steps_on_eight():
+    """A model initialised on one device, trained on 8: init_state moves it onto the mesh, and the first step's
+    donation used to delete the model's own arrays (device_put(may_alias=False) kept device 0's buffer)."""
+    model = sk.sharded_init(lambda rngs: GPT(TINY, rngs=rngs), sk.make_mesh("data=1", jax.devices()[:1]), "dp")
+    mesh = sk.make_mesh("data=8")
+    step = sk.make_train_step(model, optax.sgd(0.1), mesh, "dp")
+    step(step.init_state(), make_batch())
+    assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.to_pure_dict(split_params(model)[1])))
+
+
 def test_a_batch_anywhere_is_placed_on_the_mesh(run):
     """numpy, or an array committed to one device: moved to the rules' layout instead of an XLA error."""
     _, _, step = run

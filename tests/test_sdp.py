@@ -302,3 +302,14 @@ def test_cli_trains_and_resumes_exactly(tmp_path):
     assert got[16]["loss"] < got[1]["loss"] and np.isfinite(got[16]["val_loss"])
     with pytest.raises(sk.ShardkitError, match="share no block"):  # 2 blocks, 1 each: two separate half-models
         tr.train(make_config(tmp_path, "split", **{**sdp, "model.num_layers": 2}))
+
+
+def test_a_model_initialised_on_one_device_is_placed_on_the_mesh():
+    """init_state moves a model built on another device set onto the mesh (it was a jit ValueError); coverage 1 = dp."""
+    model = _gpt(sk.make_mesh("data=1", jax.devices()[:1]), "dp")
+    batch = make_batch(16, 16, CFG.vocab_size)
+    losses = {}
+    for name, strategy in {"dp": "dp", "sdp": sk.sdp.strategy(coverage=1.0)}.items():
+        step = sk.make_train_step(model, optax.sgd(0.5), _mesh(), strategy)
+        losses[name] = float(step(step.init_state(), batch)[1]["loss"])
+    assert losses["sdp"] == pytest.approx(losses["dp"], rel=1e-5)  # fp32 reduction order (tests/test_parity.py)

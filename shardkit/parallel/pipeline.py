@@ -288,6 +288,12 @@ def pipeline_stack(
         raise ShardkitError(
             f"{name!r}: {num_layers} layers are not divisible by {p} stages x {v} virtual stages = {p * v}"
         )
+    if not isinstance(x, jax.Array):  # e.g. the MoE GPT's (x, aux losses) carry: the stages pass one array
+        raise ShardkitError(
+            f"{name!r}: the layer stack carries {type(x).__name__} of {len(jax.tree.leaves(x))} arrays between layers "
+            "(a MoE model's router losses?); the pipeline kernels pass one activation array from stage to stage. Use "
+            "layers='scan' (e.g. ep or fsdp for a MoE model) or a model whose blocks map an array to an array"
+        )
     if x.shape[0] % m:
         raise ShardkitError(f"{name!r}: batch {x.shape[0]} is not divisible by {m} pipeline microbatches")
     _check(kind, p, m, v)

@@ -171,6 +171,11 @@ class SDPTrainStep(TrainStep):
         params, rest = nnx.to_pure_dict(params), self.unwrap_keys(nnx.to_pure_dict(rest))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((params, rest))):
             raise ShardkitError("this step was built from an abstract model; pass the real one to init_state")
+        # arrays on other devices (a model initialised on one device) replicated onto the mesh first: jit takes no
+        # inputs committed elsewhere than its outputs (a ValueError otherwise)
+        onto = lambda a: jax.device_put(a, self.replicated) if isinstance(a, jax.Array) and set(a.devices()) != set(
+            self.mesh.devices.flat) else a  # fmt: skip
+        params, rest = jax.tree.map(onto, params), jax.tree.map(onto, rest)
         params = jax.jit(lambda p: self.to_layout(p, self.splits), out_shardings=self.layout_params)(params)
         rest = jax.jit(lambda m: self.to_layout(m, self.state_splits), out_shardings=self.layout_state)(rest)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
