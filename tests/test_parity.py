@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 from common import TINY, make_batch, one_device_mesh, train
+from matrix import MESH
 
 import shardkit as sk
 from models.gpt import GPTConfig
@@ -42,15 +43,7 @@ def train64(*args, cfg=CFG64, **kw):
     return losses, params, step, state
 
 
-MESHES = {
-    "dp": "data=8",
-    "zero1": "data=8",
-    "fsdp": "data=2,fsdp=4",
-    "tp": "data=4,tensor=2",
-    "tp_sp": "data=4,tensor=2",
-    "fsdp_tp": "fsdp=4,tensor=2",
-    "dp_fsdp_tp": "data=2,fsdp=2,tensor=2",
-}
+MESHES = {name: MESH[name] for name in ("dp", "zero1", "fsdp", "tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp")}
 
 
 @pytest.fixture(scope="module")
