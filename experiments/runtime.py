@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import shardkit as sk
+from models import gpt
 
 
 def resolve_preset(name: str) -> sk.HardwarePreset | None:
@@ -203,7 +204,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     from shardkit.parallel import pipeline, sdp
 
     return {
-        "model.remat": tuple(sk.layers.REMAT_ALIASES),
+        "model.remat": tuple(gpt.REMAT_ALIASES),
         "optimizer.name": ("adamw",),
         "pipeline.schedule": pipeline.SCHEDULES,
         "hetero.mode": ("loop", "pad"),
@@ -246,7 +247,7 @@ def strategy_of(config: Any, devices: int) -> sk.Strategy:
                             preset=mesh_preset(config))  # fmt: skip
     strategy = with_kernels(strategy, config.get("kernels", ""))
     if "model" in config and "remat" in config.model:  # the GPT's alias and the remat kernel: one policy, or an error
-        sk.layers.combine_remat(strategy.kernels.get("remat"), config.model.remat)
+        sk.layers.combine_remat(strategy.kernels.get("remat"), gpt.REMAT_ALIASES.get(config.model.remat, "none"))
     return strategy.replace(strict_names=True) if config.get("strict_names", False) else strategy
 
 

@@ -25,6 +25,9 @@ from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS
 #: [b, s, kv_heads, g + 2, head_dim], the attention kernel's output [b, s, heads, head_dim] and its output projection
 #: [b, s, embed], the MLP's (normed) input [b, s, embed] and its hidden activation silu(gate) * up [b, s, mlp].
 CHECKPOINT_NAMES = ("qkv_proj", "attn_out", "out_proj", "mlp_in", "mlp_hidden")
+#: `GPTConfig.remat` -> the remat policy it means (the older config field, kept as an alias of the `remat` kernel
+#: slot). `dots` kept its meaning: matmuls without batch dimensions (the projections), not attention's scores.
+REMAT_ALIASES: dict[str, str] = {"none": "none", "full": "full", "dots": "dots_no_batch"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +45,9 @@ class GPTConfig:
     norm_eps: float = 1e-6
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision)
     param_dtype: str = "float32"
-    #: an alias of the `remat` kernel slot (docs/memory.md): "none" (the strategy's slot decides), "full", or "dots"
-    #: (= the slot's "dots_no_batch": the projections' outputs kept); a slot naming another policy is an error
+    #: an alias of the `remat` kernel slot (docs/memory.md, REMAT_ALIASES): "none" (the strategy's slot decides),
+    #: "full", or "dots" (= the slot's "dots_no_batch": the projections' outputs kept); a slot naming another policy
+    #: is an error
     remat: str = "none"
     init_std: float = 0.02
     # mixture of experts (shardkit/parallel/moe.py): every block's MLP becomes `num_experts` SwiGLU experts
@@ -74,8 +78,8 @@ class GPTConfig:
             raise sk.ShardkitError(f"num_experts={self.num_experts}, top_k={self.top_k}: experts >= 0, top_k 1 or 2")
         if self.num_experts and self.top_k > self.num_experts:
             raise sk.ShardkitError(f"top_k={self.top_k} needs at least that many experts, not {self.num_experts}")
-        if self.remat not in sk.layers.REMAT_ALIASES:
-            choices = ", ".join(sk.layers.REMAT_ALIASES)
+        if self.remat not in REMAT_ALIASES:
+            choices = ", ".join(REMAT_ALIASES)
             raise sk.ShardkitError(f"remat={self.remat!r}: choose one of {choices} (any other policy: the strategy's "
                                    "remat kernel, kernels={'remat': ...}, docs/memory.md)")  # fmt: skip
 
@@ -120,7 +124,7 @@ class GPTConfig:
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         comms = gpt_cost.strategy_comms(family, self, mesh, batch, seq, nbytes, backend, gspmd=family == "tp3d")
         # the remat kernel, where the strategy sets one, over the alias (the formulas know "full"; any other = none)
-        remat = sk.layers.combine_remat(sk.strategy(strategy).kernels.get("remat"), self.remat)
+        remat = sk.layers.combine_remat(sk.strategy(strategy).kernels.get("remat"), REMAT_ALIASES[self.remat])
         cfg = dataclasses.replace(self, remat="full" if remat == "full" else "none")
         memory = gpt_cost.memory(family, cfg, mesh, batch, seq, nbytes)
         return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend})"
@@ -305,11 +309,11 @@ class GPT(nnx.Module):
                 return y, carry[1] + aux
 
             x, aux = sk.layers.apply_stack(block, layer_state, (x, jnp.zeros(3, jnp.float32)), positions, segment_ids,
-                                           remat=cfg.remat)  # fmt: skip
+                                           remat=REMAT_ALIASES[cfg.remat])  # fmt: skip
             aux = aux / cfg.num_layers
         else:
             block = lambda state, x, positions, segment_ids: nnx.merge(graphdef, state)(x, positions, segment_ids)
-            x = sk.layers.apply_stack(block, layer_state, x, positions, segment_ids, remat=cfg.remat)
+            x = sk.layers.apply_stack(block, layer_state, x, positions, segment_ids, remat=REMAT_ALIASES[cfg.remat])
             aux = None
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)

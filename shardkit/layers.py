@@ -86,7 +86,7 @@ register_stack("unrolled", unrolled_stack)
 
 def apply_stack(block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat: str = "none") -> jax.Array:
     """Applies the L stacked layers to x with the kernel the active strategy chose (default: scan), each layer
-    rematerialized by the strategy's `remat` kernel (or the model's own `remat=`, an alias: see `resolve_remat`)."""
+    rematerialized by the strategy's `remat` kernel (or the policy the model passes as `remat=`: `combine_remat`)."""
     name = resolve_remat(remat)
     remat_policy(name)  # a bad name or an unsupported offload: ShardkitError before any kernel traces
     kernel, _, ctx = kernels.active("layers")
@@ -104,10 +104,6 @@ DEFAULTS.setdefault("remat", "none")
 
 #: The remat policies, as they are written (`names:` / `offload:` take a comma-separated list of tagged names).
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "names:<a,b>", "offload:<a,b>")
-#: A model's own older `remat=` values (the GPT's `GPTConfig.remat`) -> the remat kernel each means. `dots` kept
-#: its meaning: matmuls without batch dimensions (the projections), not attention's batched score matmuls.
-REMAT_ALIASES: dict[str, str] = {"none": "none", "full": "full", "dots": "dots_no_batch"}
-
 #: The host memory kind offloaded residuals go to, and what a backend must have for `offload:`.
 OFFLOAD_DST = "pinned_host"
 
@@ -211,14 +207,14 @@ def remat_policy(name: str, platform: str | None = None) -> Callable[..., Any] |
 
 
 def combine_remat(slot: str | None, model_remat: str | None = "none") -> str:
-    """The remat kernel that runs: the strategy's `remat` slot (None: not set), else the model's own `remat=` (an
-    alias: `REMAT_ALIASES`; "none" counts as not set), else "none"; a ShardkitError when both name a policy and
-    the policies differ."""
-    model = None if model_remat in (None, "none") else REMAT_ALIASES.get(model_remat, model_remat)
+    """The remat kernel that runs: the strategy's `remat` slot (None: not set), else the policy the model asks
+    for (`apply_stack(..., remat=)`; "none" counts as not set), else "none"; a ShardkitError when both name a
+    policy and the policies differ."""
+    model = None if model_remat in (None, "none") else model_remat
     if slot is not None and model is not None and slot != model:
         raise ShardkitError(
-            f"remat: the strategy's kernels={{'remat': {slot!r}}} and the model's remat={model_remat!r} (= {model!r})"
-            " disagree; choose one: set the model's remat to 'none' to let the strategy's kernel decide"
+            f"remat: the strategy's kernels={{'remat': {slot!r}}} and the model's own remat policy {model!r} "
+            "disagree; choose one: set the model's remat to 'none' to let the strategy's kernel decide"
         )
     return slot or model or "none"
 

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import shardkit as sk
@@ -227,6 +228,24 @@ _refuse(
 )
 _refuse("sdp", "guide resnet cosmoflow unet3d", "no `layers` stack", r"no parameter has the logical name 'layers'")
 _refuse("hetero_dp", "resnet cosmoflow unet3d", "model state (BatchNorm)", r"hetero_dp does not carry model state")
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, Any]:
+    """One-device runs, filled by the first parity cell of each family (one dict per test file)."""
+    return {}
+
+
+def cell_test(families: tuple[str, ...]) -> Callable[..., None]:
+    """The parametrised test of one matrix file (the matrix is split over files so both xdist workers share it):
+    every (strategy, family) cell checked once. The file also imports `references`."""
+
+    @pytest.mark.parametrize("family", families)
+    @pytest.mark.parametrize("strategy", list(MESH))
+    def test_cell(strategy: str, family: str, references: dict[str, Any]) -> None:
+        check(strategy, family, references)
+
+    return test_cell
 
 
 def check(strategy: str, fam_name: str, references: dict[str, Any]) -> None:

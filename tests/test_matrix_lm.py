@@ -12,15 +12,6 @@ refused, shardkit/parallel/moe.py). No cell needs float64.
 """
 
 import matrix as mx
-import pytest
+from matrix import references  # noqa: F401  (the fixture its cells share)
 
-
-@pytest.fixture(scope="module")
-def references():
-    return {}  # one-device runs, filled by the first parity cell of each family
-
-
-@pytest.mark.parametrize("family", mx.LM_FAMILIES)
-@pytest.mark.parametrize("strategy", list(mx.MESH))
-def test_cell(strategy, family, references):
-    mx.check(strategy, family, references)
+test_cell = mx.cell_test(mx.LM_FAMILIES)

@@ -11,20 +11,11 @@ on a 2-dimension halo split; here (2 steps, 8^3 volumes) fp32 holds, so no cell 
 """
 
 import matrix as mx
-import pytest
+from matrix import references  # noqa: F401  (the fixture its cells share)
 
 import shardkit as sk
 
-
-@pytest.fixture(scope="module")
-def references():
-    return {}  # one-device runs, filled by the first parity cell of each family
-
-
-@pytest.mark.parametrize("family", mx.VISION_FAMILIES)
-@pytest.mark.parametrize("strategy", list(mx.MESH))
-def test_cell(strategy, family, references):
-    mx.check(strategy, family, references)
+test_cell = mx.cell_test(mx.VISION_FAMILIES)
 
 
 def test_the_matrix_covers_every_registered_strategy():
