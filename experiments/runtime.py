@@ -248,6 +248,7 @@ def strategy_of(config: Any, devices: int) -> sk.Strategy:
     strategy = with_kernels(strategy, config.get("kernels", ""))
     if "model" in config and "remat" in config.model:  # the GPT's alias and the remat kernel: one policy, or an error
         sk.layers.combine_remat(strategy.kernels.get("remat"), gpt.REMAT_ALIASES.get(config.model.remat, "none"))
+    strategy = strategy.replace(offload=config.get("offload", ""))  # host offload of the state (ZeRO-Offload)
     return strategy.replace(strict_names=True) if config.get("strict_names", False) else strategy
 
 

@@ -2,7 +2,7 @@
 
 import sys as _sys
 
-from shardkit import attention, checkpoint, collectives, costmodel, dispatch, kernels, layers, step, train
+from shardkit import attention, checkpoint, collectives, costmodel, dispatch, kernels, layers, offload, step, train
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.dispatch import configure, make_train_step, register_step
@@ -57,6 +57,7 @@ __all__ = [
     "make_train_step",
     "mesh_shape_str",
     "moe",
+    "offload",
     "param_logical_axes",
     "param_shardings",
     "pipeline",

@@ -56,7 +56,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit import batch as batching
-from shardkit import kernels
+from shardkit import kernels, offload
 from shardkit.batch import Batch, BatchAxes
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes, state_shardings, unnamed_parameters
@@ -163,9 +163,13 @@ class TrainStep(abc.ABC):
             self.update_shardings,
             transform_non_params=lambda _: self.replicated,
         )
+        # what the strategy offloads rests in host memory between steps (shardkit/offload.py); the step's
+        # param_shardings / opt_shardings stay the device ones it computes in, state_shardings say where it rests
+        self.offload = offload.check(self.strategy.offload, mesh, self.step_name)
+        host = lambda part, shardings: offload.host_shardings(shardings) if part in self.offload else shardings
         self.state_shardings = TrainState(
-            step=self.replicated, params=self.param_shardings, opt_state=self.opt_shardings,
-            model_state=self.model_state_shardings,
+            step=self.replicated, params=host("params", self.param_shardings),
+            opt_state=host("opt_state", self.opt_shardings), model_state=self.model_state_shardings,
         )  # fmt: skip
         self.donate = donate
         self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
@@ -256,7 +260,8 @@ class TrainStep(abc.ABC):
         # with the user's model, which would be deleted by the first step (issue #15)
         params = jax.device_put(_private(params, self.param_shardings), self.param_shardings, may_alias=False)
         rest = jax.device_put(_private(rest, self.model_state_shardings), self.model_state_shardings, may_alias=False)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        params = jax.device_put(params, self.state_shardings.params)  # host memory when offloaded
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return TrainState(step=step, params=params, opt_state=opt_state, model_state=rest)
 
@@ -268,6 +273,8 @@ class TrainStep(abc.ABC):
             if self.has_model_state:
                 raise ShardkitError("this model has state besides parameters: pass the TrainState, step.model(state)")
             model_state = self.initial_model_state
+        if "params" in self.offload:  # offloaded parameters: back on the devices for eager use
+            params = jax.device_put(params, self.param_shardings)
         return nnx.merge(self.graphdef, params, self.wrap_keys(model_state))
 
     def abstract_state(self) -> TrainState:
@@ -372,7 +379,8 @@ class TrainStep(abc.ABC):
                 donate_argnums=(0,) if self.donate else (),
             )
             self.cache["eval", key] = jax.jit(
-                self.eval_fn, in_shardings=(self.param_shardings, self.model_state_shardings, shardings)
+                lambda params, *rest: self.eval_fn(self.params_on_device(params), *rest),
+                in_shardings=(self.state_shardings.params, self.model_state_shardings, shardings),
             )
         return self.cache["step", key]
 
@@ -390,6 +398,14 @@ class TrainStep(abc.ABC):
         """What the kernels reported while the step for `batch`'s signature was traced (its own collectives:
         spatial halos, ...); jax traces a step once per signature, so this outlives later lowerings' cache hits."""
         return list(self.cache.get(("kernel calls", self.prepared(batch)[0]), []))
+
+    def params_on_device(self, params: Any) -> Any:
+        """Inside the jitted step: the parameters in device memory (moved there when the strategy offloads them)."""
+        return offload.to_device(params, self.param_shardings) if "params" in self.offload else params
+
+    def opt_state_on_device(self, opt_state: Any) -> Any:
+        """Inside the jitted step: the optimizer state in device memory (moved there when offloaded)."""
+        return offload.to_device(opt_state, self.opt_shardings) if "opt_state" in self.offload else opt_state
 
     def eval_loss(self, params: dict[str, Any] | TrainState, batch: Batch) -> jax.Array:
         """The loss in evaluation mode (`model.eval()`: running BatchNorm statistics, no dropout)."""

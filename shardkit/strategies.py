@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from jax.sharding import Mesh
 
 from shardkit.errors import ShardkitError
+from shardkit.offload import parse as offload_names
 from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh
 
 if TYPE_CHECKING:
@@ -69,8 +70,12 @@ class Strategy:
     #: refuse parameters with fewer logical names than dimensions, or none, instead of replicating what is unnamed
     #: (Flax's meaning, the default; `--config.strict_names`)
     strict_names: bool = False
+    #: what rests in host memory between steps, brought to the devices by the step (ZeRO-Offload,
+    #: shardkit/offload.py): () or any of "opt_state", "params" (a comma-separated string is accepted)
+    offload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", offload_names(self.offload))
         object.__setattr__(self, "param_rules", normalize_rules(self.param_rules))
         object.__setattr__(self, "compute_rules", normalize_rules(self.compute_rules))
         if self.opt_rules is not None:

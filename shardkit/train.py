@@ -88,18 +88,19 @@ class GSPMDStep(TrainStep):
         return loss, aux, grads, model_state
 
     def step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        params = self.params_on_device(state.params)  # host memory -> device when offloaded (shardkit/offload.py)
         if self.microbatches == 1:
             (loss, (aux, model_state)), grads = jax.value_and_grad(self.apply, has_aux=True)(
-                state.params, state.model_state, batch
+                params, state.model_state, batch
             )
         else:
-            loss, aux, grads, model_state = self._accumulate(state.params, state.model_state, batch)
+            loss, aux, grads, model_state = self._accumulate(params, state.model_state, batch)
         # Gradients take the optimizer state's layout: the parameters' for most strategies; for ZeRO-1 they are
         # reduce-scattered, the update runs on optimizer-state shards, and the new parameters are all-gathered.
         grads = jax.lax.with_sharding_constraint(grads, self.update_shardings)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = self.tx.update(grads, self.opt_state_on_device(state.opt_state), params)
         updates = jax.lax.with_sharding_constraint(updates, self.update_shardings)
-        params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), self.param_shardings)
+        params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), self.param_shardings)
         model_state = jax.lax.with_sharding_constraint(model_state, self.model_state_shardings)
         metrics = {**aux, "loss": loss, "grad_norm": global_norm(grads)}
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)

@@ -23,6 +23,8 @@ def get_config() -> ml_collections.ConfigDict:
     #                          Flax's meaning, the rest replicated; docs/flax_models.md)
     c.kernels = ""  # kernel slots over the strategy's: "slot=name,..." e.g. "norm=group" (per-group BatchNorm),
     #                 "conv=halo,pool=halo", "attention=ring:zigzag" (shardkit/kernels.py; listed when one is unknown)
+    c.offload = ""  # "", "opt_state", "params", "opt_state,params": rests in host memory between steps, brought to
+    #                 the devices by the step (ZeRO-Offload; GSPMD strategies; shardkit/offload.py, docs/memory.md)
     c.sdp = ml_collections.ConfigDict()  # strategy=sdp only: subnetwork data parallelism (shardkit/parallel/sdp.py)
     c.sdp.granularity = "block"  # block (whole layers of a stack) | neuron (groups of hidden units, `units`)
     c.sdp.coverage = 0.5  # fraction of the blocks (or unit groups) each worker holds; a multiple of 1/blocks
