@@ -27,10 +27,16 @@ from experiments import runtime, tasks
 from experiments import train as tr  # sets XLA_FLAGS (virtual CPU devices) before jax is imported
 from experiments.data import text
 from models.gpt import GPT
-from shardkit.explain import Report, explain
+from shardkit.explain import POLICIES, Report, explain
 
 _JSON = flags.DEFINE_string("json", "", "also write the report as JSON to this path")
 _PLOT = flags.DEFINE_string("plot", "", "also write a PNG bar chart to this path")
+_REMAT = flags.DEFINE_string(
+    "remat_policies",
+    "",
+    "also compile the step under these remat policies, ';'-separated ('all': none;full;dots;"
+    "dots_no_batch; 'names:a,b' allowed), and tabulate each one's temporary memory and recomputed FLOPs",
+)
 
 
 target_axes = runtime.target_axes  # (config, devices) -> the plan's mesh; "auto" fits the strategy
@@ -53,9 +59,10 @@ def fit_mesh(axes: dict[str, int], num_devices: int) -> tuple[dict[str, int], st
     return cand, "proportions NOT kept (no common factor fits): the largest axes divided until it fits"
 
 
-def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
+def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[str] = ()) -> tuple[Report, str]:
     """(report, header) for the plan `config` describes; no parameter allocated. A GPT config reads no data (its
-    vocabulary is the byte tokenizer's); an image config reads the bundled dataset's shape and classes."""
+    vocabulary is the byte tokenizer's); an image config reads the bundled dataset's shape and classes.
+    `remat_policies`: adds the per-policy memory / recomputed-FLOPs table (`sk.explain(..., remat_policies=)`)."""
     for key in ("batch_size", "seq_len", "microbatches"):
         if key in config and config[key] < 1:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 1")
@@ -84,7 +91,8 @@ def explain_config(config: ml_collections.ConfigDict) -> tuple[Report, str]:
                                   microbatches=config.microbatches)  # fmt: skip
         batch = task.batch_spec(step)
     scaled = built != target
-    report = explain(step, step.abstract_state(), batch, model_cfg=model_cfg, target_mesh=target if scaled else None)
+    report = explain(step, step.abstract_state(), batch, model_cfg=model_cfg, target_mesh=target if scaled else None,
+                     remat_policies=remat_policies)  # fmt: skip
     grid = lambda m: ",".join(f"{a}={n}" for a, n in m.items())
     header = (f"{config.config_name}: {model_cfg.num_params() / 1e6:.2f}M parameters, {config.strategy}, "
               f"mesh {grid(target)} ({math.prod(target.values())} devices"
@@ -100,7 +108,8 @@ def main(argv: Sequence[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
     try:
-        report, header = explain_config(runtime.loaded_config(tr._CONFIG))
+        policies = POLICIES if _REMAT.value == "all" else [p for p in _REMAT.value.split(";") if p]
+        report, header = explain_config(runtime.loaded_config(tr._CONFIG), policies)
     except sk.ShardkitError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

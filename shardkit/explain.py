@@ -23,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from shardkit import costmodel, costmodel_rules, hlo, kernels
+from shardkit import costmodel, costmodel_rules, hlo, kernels, offload
+from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
@@ -107,6 +109,8 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: (path, shape, bytes) of each parameter without logical names: replicated on every device
     unnamed_params: list[tuple[str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
+    #: per remat policy, the compiled temporary memory and FLOPs (`explain(..., remat_policies=...)`), none first
+    remat: list[PolicyFigures] | None = None
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per (kind, mesh axes): measured count / bytes, predicted, and scaled figures when present."""
@@ -179,6 +183,8 @@ class Report:
             "   peak = arguments + outputs - aliased + temporaries)",
         ]
         lines += [f"note: {n}" for n in self.notes]
+        if self.remat:
+            lines += ["", format_remat_table(self.remat)]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,6 +195,7 @@ class Report:
             memory=dict(self.memory), memory_rows=self.memory_rows(), predicted_memory=self.predicted_memory,
             prediction_source=self.prediction_source, scaled=self.scaled, notes=list(self.notes),
             unnamed_params=[dict(path=p, shape=list(shape), bytes=b) for p, shape, b in self.unnamed_params],
+            remat=[dataclasses.asdict(r) for r in self.remat] if self.remat else None,
         )  # fmt: skip
 
     def to_json(self, **kw: Any) -> str:
@@ -225,13 +232,16 @@ class Report:
 
 
 def explain(
-    step: Any, state: Any, batch: Any, *, model_cfg: Any = None, target_mesh: dict[str, int] | None = None
-) -> Report:
+    step: Any, state: Any, batch: Any, *, model_cfg: Any = None, target_mesh: dict[str, int] | None = None,
+    remat_policies: Sequence[str] = (),
+) -> Report:  # fmt: skip
     """Compiles `step` for (state, batch) — concrete arrays or ShapeDtypeStructs — and explains it.
 
     `model_cfg`: an object with a `cost_model` hook for the predictions (default: the step's model's `cfg`);
     without one, the prediction is what the strategy's rules tables imply for the parameters.
     `target_mesh`: the plan's mesh when `step.mesh` is a scaled-down stand-in; adds SCALED figures.
+    `remat_policies`: also compile the step under each of these remat policies (`none` is always added) and report
+    each one's temporary memory and recomputed FLOPs (`remat_figures`, docs/memory.md).
     """
     with kernels.recording() as traced:  # kernels that issue their own collectives report them while traced
         compiled = step.lower(state, batch).compile()
@@ -281,8 +291,15 @@ def explain(
         notes.append(f"{len(unnamed)} parameters have no logical names and are replicated on every device "
                      f"({sum(b for *_, b in unnamed) / 2**20:.2f} MiB each): {shown}; name them "
                      "(nnx.with_partitioning) to shard them, or strict_names=True to refuse them")  # fmt: skip
+    if getattr(step, "offload", ()):  # Strategy.offload: the state that rests in host memory (shardkit/offload.py)
+        memory["host"] = offload.host_bytes(compiled)["host_arguments"]
+        notes.append(f"offload={','.join(step.offload)}: {_h(memory['host'])} per device rest in host memory "
+                     "(pinned_host: the compiled entry layout's S(5) arguments), copied to the devices for the step; "
+                     "on XLA:CPU memory_analysis() counts them among the arguments")  # fmt: skip
     report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes, unnamed_params=unnamed)
     report.predicted_comms, report.predicted_memory, report.prediction_source = pred
+    if remat_policies:
+        report.remat = remat_figures(step, state, batch, remat_policies, compiled=compiled)
     if target_mesh:
         report.scaled = _scale(report, step, state, batch, dict(target_mesh), cfg, nbytes, backend)
     return report
@@ -334,4 +351,4 @@ def _batch_axes(step: Any, batch: Any) -> tuple[str, ...]:
     return tuple(sorted({a for spec in specs for a in costmodel_rules.spec_axes(spec)}))
 
 
-__all__ = ["Report", "explain", "predict"]
+__all__ = ["POLICIES", "PolicyFigures", "Report", "explain", "format_remat_table", "predict", "remat_figures"]

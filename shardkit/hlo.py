@@ -275,6 +275,36 @@ def collectives(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list[Coll
     return sorted(out, key=lambda c: (-c.bytes_sent, c.kind, c.axes, c.in_loop))
 
 
+def _dot_flops(ins: _Instr, types: dict[str, str]) -> int:
+    """2 x multiply-adds of one dot or convolution instruction (0 for other ops)."""
+    out = sum(math.prod(_ints(d)) for _, d in _SHAPE.findall(ins.type.split("{")[0])) if ins.type else 0
+    if ins.opcode == "dot" and ins.operands:
+        lhs = _SHAPE.search(types.get(ins.operands[0], ""))
+        dims = _ints(lhs.group(2)) if lhs else []
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        return 2 * out * math.prod(dims[i] for i in _ints(contracting.group(1)) if i < len(dims)) if contracting else 0
+    if ins.opcode == "convolution" and len(ins.operands) > 1:
+        rhs = _SHAPE.search(types.get(ins.operands[1], ""))
+        labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+        if not rhs or not labels or "o" not in labels.group(1):
+            return 0
+        dims = _ints(rhs.group(2))
+        return 2 * out * math.prod(dims) // max(dims[labels.group(1).index("o")], 1)  # out x window x in / groups
+    return 0
+
+
+def matmul_flops(compiled_or_hlo_text: Any) -> int:
+    """FLOPs of one step's dots and convolutions (2 x multiply-adds), per device, each loop body counted as many
+    times as its loop runs. XLA's `cost_analysis()["flops"]` counts a while loop's body once (a `lax.scan` over L
+    layers as one layer), so the recomputation of a scanned layer stack shows there at 1/L of its size."""
+    src = compiled_or_hlo_text
+    text = src if isinstance(src, str) else src.as_text()
+    comps, entry = _parse_module(text)
+    types = {i.name: i.type for instrs in comps.values() for i in instrs}  # HLO names are unique per module
+    mult = _multipliers(comps, entry)
+    return sum(m * sum(_dot_flops(ins, types) for ins in comps[c]) for c, (m, _) in mult.items() if m)
+
+
 def summarize(colls: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
     """(kind, axes) -> {"count": occurrences per step, "bytes_sent": per-device bytes per step}."""
     out: dict = collections.defaultdict(lambda: {"count": 0, "bytes_sent": 0.0})
