@@ -19,6 +19,7 @@ the spatial degree would otherwise be a ShardkitError naming the layer and its e
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,11 +150,8 @@ class CosmoFlow(nnx.Module):
         cfg = self.cfg
         x = sk.constrain(volumes.astype(jnp.dtype(cfg.dtype)), (*conv3d.names(cfg.split(0))[:4], None))
         for i, (conv, norm) in enumerate(zip(self.convs, self.norms, strict=True)):
-            x = conv(x)
-            x = norm(x) if norm is not None else x
-            x = jax.nn.leaky_relu(x, cfg.leaky_slope)
-            x = conv3d.pool(x, name=f"pool{i}", split=cfg.split(i))
-            x = sk.constrain(x, conv3d.names(cfg.split(i + 1) if i + 1 < len(cfg.widths) else False))
+            # each block under the strategy's remat kernel (docs/memory.md): the blocks differ in shape, no stack
+            x = sk.layers.checkpoint_module(functools.partial(_block, cfg, i))(conv, norm, x)
         h = x.reshape(x.shape[0], -1).astype(jnp.promote_types(x.dtype, jnp.float32))  # the batch layout
         for layer in self.dense[:-1]:
             h = jax.nn.leaky_relu(layer(self.dropout(h)), cfg.leaky_slope)
@@ -171,6 +169,15 @@ class CosmoFlow(nnx.Module):
             raise sk.ShardkitError(f"CosmoFlow: batch['volume'] {volume} and batch['target'] {target} must be "
                                    f"[B, D, H, W, {self.cfg.in_channels}] and [B, {self.cfg.num_outputs}] "
                                    "(in_channels, num_outputs of the config)")  # fmt: skip
+
+
+def _block(cfg: CosmoFlowConfig, i: int, conv: nnx.Module, norm: nnx.Module | None, x: jax.Array) -> jax.Array:
+    """Conv block i: conv3d -> (BatchNorm) -> LeakyReLU -> 2^3 max pool, laid out for the next block."""
+    x = sk.layers.tag(conv(x), f"conv{i}")  # tagged for the `names:` remat policy
+    x = norm(x) if norm is not None else x
+    x = jax.nn.leaky_relu(x, cfg.leaky_slope)
+    x = conv3d.pool(x, name=f"pool{i}", split=cfg.split(i))
+    return sk.constrain(x, conv3d.names(cfg.split(i + 1) if i + 1 < len(cfg.widths) else False))
 
 
 def regression_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
