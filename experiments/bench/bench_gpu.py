@@ -13,6 +13,11 @@
    the causal skips, no ring) at chunks 512 / 1024 / 2048: time per call and TFLOP/s (4·S²·h·d·3.5 / 2, causal
    half), and the max difference from cuDNN's output.
 
+3. Host offload (docs/memory.md): the first model's train step (dense attention) with the optimizer state, then
+   the optimizer state and the parameters in pinned_host memory (`Strategy.offload`), and with the `offload:`
+   remat policy (attn_out, mlp_hidden to the host): 3 steps' losses against no offload (equal: pure data movement),
+   step time, peak device memory, and the compiled memory analysis' device and host figures.
+
 Anything a backend cannot run (cuDNN off NVIDIA, memory) is recorded with its error, not a crash: the point is
 one run that brings back every figure it can.
 """
@@ -65,6 +70,35 @@ def train_step(cfg: GPTConfig, batch: int, seq: int, attention: str, steps: int,
     flops = cfg.flops_per_token(seq) * tokens
     return {"attention": attention, "compile_s": compiled.seconds, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "mfu": flops / step_s / peak, "peak_bytes": peak_memory()}  # fmt: skip
+
+
+def offload_runs(cfg: GPTConfig, batch: int, seq: int) -> dict[str, Any]:
+    """No offload, then each offload: 3 steps each from the same parameters, their losses, time and memory."""
+    mesh = sk.make_mesh("data=1", jax.devices()[:1])
+    cfg = dataclasses.replace(cfg, remat="none")  # the remat slot decides (its alias would conflict with it)
+    out: dict[str, Any] = {}
+    for label, offload, remat in (("none", "", "none"), ("opt_state", "opt_state", "none"),
+                                  ("opt_state,params", "opt_state,params", "none"),
+                                  ("remat offload", "", "offload:attn_out,mlp_hidden")):  # fmt: skip
+
+        def run(offload: str = offload, remat: str = remat) -> dict[str, Any]:
+            strategy = sk.strategies.strategy("dp").replace(attention="dense", offload=offload,
+                                                            kernels={"remat": remat})  # fmt: skip
+            model = sk.sharded_init(lambda rngs: GPT(cfg, rngs=rngs), mesh, strategy, seed=0)
+            step = sk.make_train_step(model, optax.adamw(1e-4), mesh, strategy)
+            state = step.init_state()
+            del model
+            data = gpt_batch(cfg.vocab_size, batch, seq, step.batch_sharding)
+            compiled = compile_timed(step, state, data).program
+            ma = compiled.memory_analysis()
+            timing, _, metrics = time_steps(compiled, state, data, 3)
+            fields = ("argument", "output", "temp", "host_argument", "host_output", "host_temp")
+            return {"step_s": timing.median, "last_loss": float(metrics["loss"]), "peak_bytes": peak_memory(),
+                    "host_layout_bytes": sk.offload.host_bytes(compiled)["host_arguments"],
+                    **{f"{f}_bytes": int(getattr(ma, f"{f}_size_in_bytes", 0) or 0) for f in fields}}  # fmt: skip
+
+        out[label] = attempt(run)
+    return out
 
 
 def attention_kernels(seq: int, heads: int, dim: int, chunks: tuple[int, ...], reps: int) -> dict[str, Any]:
@@ -124,6 +158,13 @@ def main(argv: list[str] | None = None) -> None:
             row[att] = attempt(functools.partial(train_step, cfg, batch, s, att, steps, args.peak))
         result["train"][name] = row
         print(name, json.dumps({k: v for k, v in result["train"][name].items() if k != "config"}), flush=True)
+    first = args.models.split(",")[0]
+    fields = {**CONFIGS[first].get_config().model.to_dict(), "vocab_size": 50304, "max_seq_len": seq}
+    if args.smoke:
+        fields.update(num_layers=2, d_model=64, num_heads=2, num_kv_heads=2, head_dim=32, mlp_dim=128,
+                      vocab_size=256, max_seq_len=64)  # fmt: skip
+    result["offload"] = offload_runs(GPTConfig(**fields), 2 if args.smoke else args.batch, 64 if args.smoke else seq)
+    print("offload", json.dumps(result["offload"]), flush=True)
     for s in [256] if args.smoke else [int(x) for x in args.attn_seqs.split(",")]:
         small = (2, 32, (64, 128)) if args.smoke else (heads, dim, chunks)
         result["attention"][s] = attention_kernels(s, *small, reps=2 if args.smoke else 10)
