@@ -1,7 +1,8 @@
 """What each rematerialization policy costs, measured on the compiled step: memory saved against FLOPs recomputed.
 
-    rows = sk.explain.remat_figures(step, state, batch)          # policies: none, full, dots, dots_no_batch
-    print(sk.explain.format_remat_table(rows))
+    from shardkit.explain import format_remat_table, remat_figures
+    rows = remat_figures(step, state, batch)          # policies: none, full, dots, dots_no_batch
+    print(format_remat_table(rows))
 
 For each policy the step is rebuilt with the strategy's `remat` kernel set to it (docs/memory.md), lowered for the
 same (state, batch) (ShapeDtypeStructs suffice: nothing is allocated) and compiled. Per device:
