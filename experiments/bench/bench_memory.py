@@ -80,7 +80,7 @@ def measure(name: str, reps: int, **shape: int) -> list[dict[str, Any]]:
         compiled = compile_timed(step, state, batch)
         fig = figures(compiled.program, policy, None if base is None else base.matmul_flops)
         base = base or fig
-        row = dict(dataclasses.asdict(fig), compile_s=compiled.compile_s, step_s=float("nan"), loss=float("nan"))
+        row = dict(dataclasses.asdict(fig), compile_s=compiled.compile_s, step_s=None, loss=None)  # reps=0: not run
         if reps:
             timing, _, metrics = time_steps(compiled.program, state, batch, reps)
             row.update(step_s=timing.median, step_spread_s=timing.spread, loss=float(metrics["loss"]))
