@@ -286,3 +286,7 @@ def test_the_prepared_gpu_check_runs_its_smoke_shapes_here(tmp_path):
     assert ("error" in attn["cudnn"]) == (result["backend"] != "gpu") and "s" in attn["dense"]
     for name in ("ring@64", "ring@128"):
         assert attn[name]["max_diff_vs_first"] < 0.05, (name, attn[name])
+    off = result["offload"]  # host offload: pure data movement, the same losses; activation offload: GPUs only
+    assert off["opt_state,params"]["last_loss"] == off["none"]["last_loss"]
+    assert off["opt_state,params"]["host_layout_bytes"] > 0 == off["none"]["host_layout_bytes"]
+    assert ("error" in off["remat offload"]) == (result["backend"] == "cpu")
