@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from shardkit import offload
 from shardkit.errors import ShardkitError
 
 #: Orbax's marker for a step directory that is still being written (``<step>.orbax-checkpoint-tmp[-<time>]``).
@@ -76,7 +77,7 @@ def _checksums(tree: Any) -> Any:
 
 def checksums(tree: Any) -> dict[str, int]:
     """{leaf name: checksum} of a tree of arrays (see the module docstring)."""
-    sums = jax.device_get(_checksums(tree))
+    sums = jax.device_get(_checksums(offload.on_device(tree)))  # an offloaded state: copied to the devices
     return {_leaf_name(p): int(v) for p, v in jax.tree_util.tree_leaves_with_path(sums)}
 
 
@@ -85,7 +86,7 @@ _CHECKSUMS = "_checksums"  # the key in the step's JSON metadata
 
 def all_finite(tree: Any) -> bool:
     """True when no floating-point array in `tree` holds a NaN or Inf (one small jitted reduction)."""
-    return bool(_all_finite(tree))
+    return bool(_all_finite(offload.on_device(tree)))
 
 
 def _options(keep: int, async_save: bool, read_only: bool) -> ocp.CheckpointManagerOptions:

@@ -119,3 +119,10 @@ def _entry_layout(text: str) -> str:
 
 def is_host(sharding: Any) -> bool:
     return isinstance(sharding, NamedSharding) and sharding.memory_kind == HOST
+
+
+def on_device(tree: Any) -> Any:
+    """Outside jit: `tree` with its arrays in host memory copied to device memory (the others as they are), for
+    computations on a state that may be offloaded (a checkpoint's checksums: XLA computes on device memory only)."""
+    move = lambda x: jax.device_put(x, x.sharding.with_memory_kind(DEVICE)) if is_host(getattr(x, "sharding", 0)) else x
+    return jax.tree.map(move, tree)

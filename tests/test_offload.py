@@ -86,3 +86,16 @@ def test_activation_offload_stays_refused_on_cpu_because_xla_cpu_compiles_the_mo
     w, x = jax.numpy.ones((8, 8)), jax.numpy.ones((4, 8))
     text = jax.jit(jax.grad(jax.checkpoint(layer, policy=policy))).lower(w, x).compile().as_text()
     assert "S(5)" not in text
+
+
+def test_an_offloaded_state_checkpoints_and_restores_into_host_memory(tmp_path):
+    """The checkpoint's checksums are computed on the devices (XLA computes on device memory only); the restored
+    arrays are the saved ones, laid out by the step's abstract state: in host memory again."""
+    _, _, step, state = run("opt_state,params")
+    with sk.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.save(state)
+        ckpt.wait()
+        restored, _ = ckpt.restore(step.abstract_state())
+    for a, b in zip(jax.tree.leaves((restored.params, restored.opt_state)),
+                    jax.tree.leaves((state.params, state.opt_state)), strict=True):  # fmt: skip
+        assert a.sharding.memory_kind == HOST and np.array_equal(np.asarray(a), np.asarray(b))
