@@ -3,7 +3,7 @@ compiled train step's temporaries (`memory_analysis().temp_size_in_bytes`), one 
 
 Compiled memory is deterministic for a given jax / XLA and its flags, so the bound is the model's own error:
 asserted within 10% (observed 0.94 for CosmoFlow split, 0.97-0.99 otherwise; jax 0.12 compiles the same bytes
-but 128 for the split U-Net). The steps compile with XLA:CPU's fusion emitters, as users' do (conftest turns them
+to within 128). The steps compile with XLA:CPU's fusion emitters, as users' do (conftest turns them
 off under jax 0.10 for speed; the legacy emitters leave more halo-transpose pads unfused: 0.82 for the split
 U-Net). A formula that forgets a term XLA:CPU keeps fails: the previous CosmoFlow one predicted 0.5 of it.
 """
@@ -47,3 +47,10 @@ def test_predicted_activations_are_the_compiled_temporaries(model: str, spec: st
     # the XLA:CPU-only terms are part of the CPU figure, and not of a GPU's
     _, gpu, _ = cfg.cost_model(strategy, dict(mesh.shape), shapes, 4, "gpu")
     assert 0 < mem["xla_cpu"] < mem["activations"] and gpu["xla_cpu"] == 0
+
+
+def test_the_unet_cost_model_needs_the_volume_shape() -> None:
+    """sk.plan passes only the batch size ({"batch": (B,)}); the U-Net's config has no size to take it from."""
+    with pytest.raises(sk.ShardkitError, match=r"needs the volume's shape \[batch, D, H, W, C\].*\{'batch': \(8,\)\}"):
+        UNET.cost_model("spatial_halo", {"space": 2}, {"batch": (8,)}, 4, "gpu")
+    assert UNET.cost_model("fsdp", {"fsdp": 8}, {"volume": (8, 16, 16, 16, 1)}, 4, "gpu") is None  # not modelled

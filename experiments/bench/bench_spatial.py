@@ -165,7 +165,7 @@ def trunk_section(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
 
 
 def step_section(args: argparse.Namespace) -> list[dict[str, Any]]:
-    print(f"2. CosmoFlow train step, 32^3, batch {BATCH} (BatchNorm, 3 spatial blocks):")
+    print(f"\n2. CosmoFlow train step, 32^3, batch {BATCH} (BatchNorm, 3 spatial blocks):")
     rng = np.random.default_rng(0)
     batch = {"volume": rng.normal(size=(BATCH, 32, 32, 32, 1)).astype(np.float32),
              "target": rng.uniform(-1, 1, (BATCH, 4)).astype(np.float32)}  # fmt: skip
@@ -198,7 +198,7 @@ def step_section(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def plan_section(args: argparse.Namespace) -> list[dict[str, Any]]:
-    print(f"4. sk.plan: CosmoFlow 512^3 x 4 channels on lassen (2048 x V100 16 GB), global batch {args.plan_batch}, "
+    print(f"\n4. sk.plan: CosmoFlow 512^3 x 4 channels on lassen (2048 x V100 16 GB), global batch {args.plan_batch}, "
           "bf16:")  # fmt: skip
     big = CosmoFlowConfig(size=512, in_channels=4, widths=(16, 32, 64, 128, 256, 256, 256), dense=(128, 64),
                           spatial_blocks=5)  # fmt: skip
@@ -233,7 +233,7 @@ def main() -> None:
     mem, fits = trunk_section(args) if 1 in run else ([], {})
     rows = step_section(args) if 2 in run else []
     if 3 in run:
-        print("3. activation memory: models/*_cost.py (backend cpu) vs compiled temporaries per device:")
+        print("\n3. activation memory: models/*_cost.py (backend cpu) vs compiled temporaries per device:")
     model_rows = memory_model_rows() if 3 in run else []
     plan_rows = plan_section(args) if 4 in run else []
 
