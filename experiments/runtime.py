@@ -216,10 +216,15 @@ def _choices() -> dict[str, tuple[str, ...]]:
 def check_choices(config: Any) -> None:
     """Every field with a closed set of values holds one of them, whether or not this run reads it (a typo in an
     unused section is still a typo), and the data's token dtype is an integer dtype: before anything is built."""
+    from shardkit.parallel import pipeline
+
     for field, allowed in _choices().items():
         section, _, key = field.partition(".")
         if section in config and key in config[section] and config[section][key] not in allowed:
             raise sk.ShardkitError(f"{field}={config[section][key]!r}: choose one of {', '.join(allowed)}")
+    cut = config.pipeline.get("stage_layers", "") if "pipeline" in config else ""
+    if str(cut).strip() not in ("", "hetero"):
+        pipeline.parse_cut(cut, "pipeline.stage_layers")  # counts >= 1; matched to the stages when the kernel runs
     for field in ("model.dtype", "model.param_dtype"):
         section, _, key = field.partition(".")
         value = config[section][key] if section in config and key in config[section] else "float32"

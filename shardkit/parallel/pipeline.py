@@ -360,7 +360,7 @@ for _name, _params, _compute, _required, _what in (
             table(**_compute),
             required_axes=_required,
             layers="pipeline:gpipe",
-            description=f"pipeline: {_what}; schedule in `layers` (pipeline:gpipe|1f1b|circular[:m[:v]])",
+            description=f"pipeline: {_what}; schedule in `layers` (pipeline:gpipe|1f1b|circular[:m[:v]][@n_0,...])",
             collectives="collective-permute of one microbatch activation per tick over stage (fwd and bwd)"
             " + the other axes' collectives",
         )

@@ -77,7 +77,7 @@ def parse_cut(text: str, where: str = "stage_layers") -> tuple[int, ...]:
     if not cut or min(cut) < 1:
         raise ShardkitError(
             f"{where}={text!r}: give the layers of each stage as whole numbers >= 1 separated by commas, e.g. '3,5' "
-            "for 2 stages of 3 and 5 layers"
+            "for 2 stages of 3 and 5 layers (the config's pipeline.stage_layers also takes '' = even and 'hetero')"
         )
     return cut
 
