@@ -252,7 +252,13 @@ def strategy_of(config: Any, devices: int) -> sk.Strategy:
     note = stage_layers(config, sections, devices)
     strategy = sk.configure(config.strategy, sections, devices=devices, global_batch=config.batch_size,
                             preset=mesh_preset(config))  # fmt: skip
-    if "@" in strategy.kernels.get("layers", ""):  # the cut the run uses, printed with the strategy
+    layers = strategy.kernels.get("layers", "")
+    if "@" in layers:  # the cut the run uses: checked against the mesh and the model now, printed with the strategy
+        from shardkit.parallel import pipeline
+
+        if "model" in config and "num_layers" in config.model:
+            stages = target_axes(config, devices).get("stage", 1)
+            pipeline.stage_cut(layers, stages, config.model.num_layers)
         strategy = strategy.replace(description=f"{strategy.description}; {note}")
     strategy = with_kernels(strategy, config.get("kernels", ""))
     if "model" in config and "remat" in config.model:  # the GPT's alias and the remat kernel: one policy, or an error

@@ -230,3 +230,17 @@ def test_uneven_1f1b_training_matches_one_device(reference):
         losses, params, _, _ = train(_mesh("stage=2,data=4"), strategy, cfg=CFG64)
     np.testing.assert_allclose(losses, reference[0], rtol=RTOL64)
     assert_params_close(params, reference[1], rtol=RTOL64)
+
+
+def test_the_config_field_reaches_the_kernel_name(tmp_path):
+    """--config.pipeline.stage_layers=3,5 (built, not trained: the hand-run CLI and the parity test above train)."""
+    from test_experiments import make_config
+
+    from experiments import train as tr
+
+    cfg = {"strategy": "pp_dp", "mesh": "stage=2,data=4", "model.num_layers": 8, "pipeline.schedule": "1f1b"}
+    run = tr.build(make_config(tmp_path, "given", **cfg, **{"pipeline.stage_layers": "3,5"}))
+    assert run.step.strategy.kernels["layers"] == "pipeline:1f1b:4@3,5"
+    assert run.step.strategy.description.endswith("; stage layers 3,5 (given; pipeline.stage_layers)")
+    with pytest.raises(sk.ShardkitError, match=r"3 stage layer counts \[2, 3, 3\] for 2 pipeline stages"):
+        tr.build(make_config(tmp_path, "bad", **cfg, **{"pipeline.stage_layers": "2,3,3"}))
