@@ -55,8 +55,8 @@ from shardkit.parallel.pipeline_schedule import (
     IDLE,
     SCHEDULES,
     Schedule,
-    _check,
     bubble_formula,
+    check_counts,
     parse,
     parse_cut,
     schedule,
@@ -233,7 +233,7 @@ def pipeline_stack(
         )
     if x.shape[0] % m:
         raise ShardkitError(f"{name!r}: batch {x.shape[0]} is not divisible by {m} pipeline microbatches")
-    _check(kind, p, m, v)
+    check_counts(kind, p, m, v)
     if p == 1:
         return scan_stack(block_fn, stacked, x, *args, remat=remat)
     keep = [k for k, a in enumerate(args) if a is not None]

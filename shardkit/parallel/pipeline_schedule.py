@@ -107,7 +107,8 @@ def stage_cut(name: str, p: int, num_layers: int) -> tuple[int, ...] | None:
     return cut
 
 
-def _check(kind: str, p: int, m: int, v: int) -> None:
+def check_counts(kind: str, p: int, m: int, v: int) -> None:
+    """Microbatches and virtual stages a schedule can run on p stages; a ShardkitError with the numbers if not."""
     if m < 1 or v < 1:
         raise ShardkitError(f"pipeline: microbatches={m} and virtual stages={v} must be >= 1")
     if kind == "1f1b" and m < p:
@@ -118,7 +119,7 @@ def _check(kind: str, p: int, m: int, v: int) -> None:
 
 def schedule(p: int, m: int, v: int = 1, kind: str = "gpipe") -> Schedule:
     """The (tick, stage) -> (op, microbatch, chunk) table of a full step (forward and backward)."""
-    _check(kind, p, m, v)
+    check_counts(kind, p, m, v)
     if kind == "1f1b":
         return _one_f_one_b(p, m)
     v = v if kind == "circular" else 1
