@@ -205,7 +205,8 @@ def test_1f1b_temp_memory_is_below_gpipe_at_m_equal_4p():
 def test_uneven_stack_equals_the_scan_exactly_where_padding_would_show(name, p):
     """Stage s holds cut[s] layers in max(cut) slots; the padding slots copy a real layer of their stage. If a padding
     slot were applied (forward) or sent back a gradient (its copy's gradient added to the layer), the output or
-    the gradient would be off by O(1). Float64 on a toy residual tanh block; measured <= 5e-14 (summation order)."""
+    the gradient would be off by O(1). Float64 on a toy residual tanh block; measured <= 5e-14 (summation order). A
+    padding slot computed and masked (a select) would pass that, so the compiled forward must hold the branch."""
     with jax.enable_x64(True):
         k1, k2 = jax.random.split(jax.random.key(0))
         stacked = {"a": 0.5 * jax.random.normal(k1, (8, 4, 4), jnp.float64)}
@@ -217,7 +218,9 @@ def test_uneven_stack_equals_the_scan_exactly_where_padding_would_show(name, p):
         ref = lambda st, h: jnp.sum(jnp.sin(sk.layers.scan_stack(block, st, h)))
         with jax.set_mesh(mesh):
             got = jax.jit(jax.value_and_grad(run, argnums=(0, 1)))(stacked, x)
+            forward = jax.jit(run).lower(stacked, x).compile().as_text()  # no 1F1B switch in the forward
         want = jax.value_and_grad(ref, argnums=(0, 1))(stacked, x)
+    assert " conditional(" in forward  # padding skipped by a branch, not computed and masked (a select)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=RTOL64, atol=RTOL64 * float(np.abs(w).max()))
 
