@@ -14,10 +14,11 @@
    (`partition_stages`) with one stage per device group. Labelled simulated: no mixed hardware was used.
 3. The uneven pipeline, EXECUTED on 8 CPU devices (pp_dp on stage=2,data=4, 1F1B, an 8-layer GPT): the even cut
    4 + 4, the cut hetero_v100_p100 implies (`sk.hetero.hetero_stage_plan`: stage 0 on the V100s, 5 + 3) and an
-   extreme 7 + 1. MEASURED: the step time and the layers each stage holds (total work: the layers computed, the
-   padding slots skipped; one host's cores again, so the time tracks the total, not the slowest stage). Next to
-   it, SIMULATED: the step time the cut would give on the preset's stage speeds (V100 1.0, P100 0.59), max over
-   stages of layers / speed, in layer times of a V100.
+   extreme 7 + 1. MEASURED: the step time, the layers each stage holds and the layers computed (the total work:
+   8 for every cut, the padding slots skipped). The 8 devices share one host's cores and the ticks synchronise
+   the stages, so the time is neither the slowest stage's nor purely the total: it says the cut runs and what
+   padding does not cost, not what mixed GPUs would gain. Next to it, SIMULATED: the step time the cut would give
+   on the preset's stage speeds (V100 1.0, P100 0.59), max over stages of layers / speed, in V100 layer times.
 Prints the tables (ratios) and writes JSON.
 """
 
@@ -108,7 +109,7 @@ def pipeline_cuts(steps: int) -> list[dict]:
     even = out[0]
     print(f"\nuneven pipeline: pp_dp stage=2,data=4, 1F1B m=4, GPT 8 x {cfg.d_model}, batch 32 x 64, 8 CPU devices")
     print(f"{'cut':<26} {'stage layers':>12} {'computed':>9} {'MEASURED ms':>12} {'/ even':>7} "
-          f"{'SIMULATED step':>15} {'/ even':>7}   (stage speeds {speeds}: {'hetero_v100_p100'})")  # fmt: skip
+          f"{'SIMULATED step':>15} {'/ even':>7}   (hetero_v100_p100 stage speeds {speeds})")  # fmt: skip
     for r in out:
         r.update(time_ratio=r["step_s"] / even["step_s"], simulated_ratio=r["simulated_step"] / even["simulated_step"])
         print(f"{r['cut']:<26} {'+'.join(map(str, r['stage_layers'])):>12} {r['layers_computed']:>9} "
