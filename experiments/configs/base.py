@@ -44,6 +44,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | circular
     c.pipeline.microbatches = 4  # pipeline microbatches per step (1f1b and circular need >= the stage count)
     c.pipeline.virtual_stages = 0  # layer chunks per stage device (circular only); 0 = 2 for circular, else 1
+    c.pipeline.stage_layers = ""  # layers per stage (gpipe, 1f1b): "" = even (num_layers / stages); "3,5" = stage 0
+    #                               holds 3, stage 1 holds 5 (one count >= 1 per stage, summing to num_layers);
+    #                               "hetero" = the min-max cut over the stages' device speeds from the hardware
+    #                               preset's [[groups]] (e.g. hardware=hetero_v100_p100, mesh=stage=2,data=4: stage 0
+    #                               on the V100s gets 5 of 8 layers). The cut is printed with the strategy.
     c.cpu_devices = 8  # virtual CPU devices (XLA_FLAGS) when running on CPU; ignored on accelerators
     c.distributed = False  # multi-process: call jax.distributed.initialize() (also if JAX_COORDINATOR_ADDRESS is set)
 
