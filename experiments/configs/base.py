@@ -39,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.hetero.microbatch_bytes = 0.0  # memory one micro-batch needs, for per-device caps; 0 = uncapped
     c.hetero.balance = True  # False: the even split, to compare
     c.hetero.mode = "loop"  # loop (per-device trip counts) | pad (every device max(counts), padding masked)
+    # A model with BatchNorm runs every device's max(counts) slots in one pass (statistics over the global batch,
+    # as one device); --config.kernels=norm=group keeps the loops, with per-micro-batch statistics (docs/hetero.md)
     c.microbatches = 1  # gradient accumulation: batch_size is split into this many sequential microbatches
     c.pipeline = ml_collections.ConfigDict()  # pp* strategies only (shardkit/pipeline.py); not accumulation
     c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | circular
