@@ -160,6 +160,16 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
     from experiments.tasks import build_task
 
     devices = jax.device_count()
+    if any(p.strip().startswith("remat=") for p in str(config.get("kernels", "")).split(",")):
+        raise sk.ShardkitError(
+            f"strategy=auto chooses the remat policy, kernels={config.kernels!r} names one: drop remat= from "
+            "--config.kernels, or give the policies to try as --config.auto.remat"
+        )
+    policies = [p.strip() for p in str(config.auto.remat).split(",") if p.strip()]
+    unknown = [p for p in policies if p.partition(":")[0] not in sk.kernels.available("remat")]
+    if not policies or unknown:
+        raise sk.ShardkitError(f"auto.remat={config.auto.remat!r}: give remat policies, comma-separated, from "
+                               f"{', '.join(sk.kernels.available('remat'))} (docs/memory.md)")  # fmt: skip
     preset = resolve_preset(config.hardware)
     if preset is None:
         raise sk.ShardkitError("strategy=auto needs a hardware preset (links, memory, peak): give --config.hardware")
@@ -191,6 +201,12 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
             "auto.memory_fraction or auto.top, lower batch_size, or use more devices"
         )
     best = min(fitting, key=lambda c: c.estimate_s)
+    if jax.process_count() > 1:  # one pick for every process (a measured peak differs between them): process 0's
+        from jax.experimental import multihost_utils
+
+        best = compiled[int(multihost_utils.broadcast_one_to_all(jax.numpy.int32(compiled.index(best))))]
+    if config.mesh.strip() not in ("auto", ""):
+        say(f"auto: --config.mesh={config.mesh} is not used: the planner picks the mesh")
     lines = [f"auto: {len(cands)} candidates from {how} on {devices} x {preset.name}; the top {len(compiled)} "
              f"compiled (memory budget {budget / 2**20:,.0f} MiB = {config.auto.memory_fraction:.0%} of "
              f"{preset.hbm_bytes / 2**20:,.0f} MiB; peak {peak / 1e9:,.1f} GFLOP/s, hbm "

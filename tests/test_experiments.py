@@ -155,6 +155,9 @@ def test_bad_values_stop_before_compiling(tmp: Path, monkeypatch: pytest.MonkeyP
         "batch 16 is not divisible by 32": {"microbatches": 4},
         "('heads' = 4) is not divisible by mesh axes ('tensor',) of size 8": {"strategy": "tp", "mesh": "tensor=8"},
         "seq_len=64 > model.max_seq_len=32": {"seq_len": 64, "model.max_seq_len": 32},
+        "strategy=auto chooses the remat policy": {"strategy": "auto", "kernels": "remat=full"},
+        "auto.remat='nope': give remat policies": {"strategy": "auto", "auto.remat": "nope"},
+        "auto.top=0 must be >= 1": {"strategy": "auto", "auto.top": 0},
     }
     for message, overrides in cases.items():
         with pytest.raises(sk.ShardkitError, match=re.escape(message)):
