@@ -343,7 +343,7 @@ def plan(
                 break
         fitting = [p for p in options if p.fits]
         best = min(fitting, key=rank_key) if fitting else min(options, key=lambda p: p.memory["total"])
-        if not fitting and len(options) > 1:
+        if not fitting and best.remat != "none":  # (a model whose memory ignores the policy: "none", said plainly)
             best = dataclasses.replace(best, reason=best.reason + f" even with remat {best.remat}")
         plans.append(best)
     for refine in PLAN_HOOKS:
