@@ -11,6 +11,7 @@ grow with depth. Every parameter has `logical_axes` metadata and every major act
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,12 +123,24 @@ class GPTConfig:
         if family is None:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
-        comms = gpt_cost.strategy_comms(family, self, mesh, batch, seq, nbytes, backend, gspmd=family == "tp3d")
-        # the remat kernel, where the strategy sets one, over the alias (the formulas know "full"; any other = none)
-        remat = sk.layers.combine_remat(sk.strategy(strategy).kernels.get("remat"), REMAT_ALIASES[self.remat])
-        cfg = dataclasses.replace(self, remat="full" if remat == "full" else "none")
-        memory = gpt_cost.memory(family, cfg, mesh, batch, seq, nbytes)
+        comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend))
+        memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy))
         return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend})"
+
+    def remat_policy(self, strategy: Any) -> str:
+        """The remat policy the cost model assumes under `strategy`: its `remat` kernel where it sets one (what
+        `sk.plan` varies), else this config's alias. (A real run refuses a slot and an alias that disagree.)"""
+        slot = sk.strategy(strategy).kernels.get("remat")
+        return slot if slot is not None else REMAT_ALIASES[self.remat]
+
+    def recompute_flops(self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]]) -> float:
+        """`sk.plan`'s hook: FLOPs per device per step the backward re-runs under the strategy's remat policy
+        (models/gpt_remat_cost.py states the convention)."""
+        from models import gpt_remat_cost
+
+        batch, seq = next(iter(batch_shapes.values()))[:2]
+        devices = math.prod(mesh.values())
+        return gpt_remat_cost.recompute_flops(self, self.remat_policy(strategy), batch * seq, seq, devices)
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""

@@ -19,6 +19,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = "auto"  # "auto": a mesh the strategy fits (fsdp: data=2,fsdp=4 on 8 devices; printed); "axis=degree,..."
     #                  (one degree may be -1), a preset name, or "" = the preset's mesh
     c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp | pp* | sdp (shardkit/strategies.py)
+    #                    | auto: the planner picks strategy, mesh and remat policy, compiles its top candidates and
+    #                      trains the fastest that fits (experiments/auto.py; run dir <config_name>-auto)
+    c.auto = ml_collections.ConfigDict()  # strategy=auto only
+    c.auto.top = 3  # candidates compiled (in the planner's order); the lowest compiled estimate that fits trains
+    c.auto.memory_fraction = 0.9  # of the preset's hbm_bytes (cpu8: a nominal 3.0 GB per virtual device)
+    c.auto.remat = "none,dots,dots_no_batch,full"  # remat policies the planner tries per plan (sk.plan(remat=))
+    c.auto.efficiency = 0.5  # fraction of peak the planner assumes recompute runs at (its ranking, not the pick)
     c.strict_names = False  # True: refuse parameters with fewer logical names than dimensions, or none (default:
     #                          Flax's meaning, the rest replicated; docs/flax_models.md)
     c.kernels = ""  # kernel slots over the strategy's: "slot=name,..." e.g. "norm=group" (per-group BatchNorm),
