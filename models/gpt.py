@@ -119,6 +119,12 @@ class GPTConfig:
             comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
             memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes)
             return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({name}: all-to-alls only)"
+        sdp = _sdp_options(strategy)
+        if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
+            batch, seq = next(iter(batch_shapes.values()))[:2]
+            comms, memory = gpt_cost.sdp_terms(self, mesh, batch, seq, sdp.coverage, nbytes, backend,
+                                               remat=self.remat_policy(strategy))  # fmt: skip
+            return comms, memory, f"models/gpt_cost.py sdp_terms (coverage {sdp.coverage:g}, backend {backend})"
         family = gpt_cost.formula(strategy)  # from the strategy's tables, not its name
         if family is None:
             return None
@@ -148,7 +154,22 @@ class GPTConfig:
 
         if self.num_experts:
             return gpt_cost.moe_divisibility(self, mesh, global_batch)
+        sdp = _sdp_options(strategy)
+        if sdp is not None:  # SDP's ownership table must exist for these workers (else the step refuses it)
+            try:
+                sk.sdp.ownership(self.num_layers, mesh.get("data", 1), sdp.coverage)
+            except sk.ShardkitError as err:
+                return str(err)
+            return gpt_cost.divisibility("fsdp_tp", self, mesh, global_batch)
         return gpt_cost.divisibility(gpt_cost.formula(strategy) or "", self, mesh, global_batch)
+
+
+def _sdp_options(strategy: Any) -> Any:
+    """The SDP options the cost formulas cover (block-level, forward masking, cyclic ownership), else None."""
+    options = sk.strategy(strategy).options
+    ok = (getattr(options, k, None) == v for k, v in (("granularity", "block"), ("masking", "forward"),
+                                                       ("ownership", "cyclic"), ("axis", "data")))  # fmt: skip
+    return options if sk.strategy(strategy).step == "sdp" and all(ok) else None
 
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:

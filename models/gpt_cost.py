@@ -295,6 +295,60 @@ def divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: in
     return ""
 
 
+def sdp_terms(
+    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, coverage: float, nbytes: int = 2,
+    backend: str = "gpu", remat: str | None = None,
+) -> tuple[list[Comm], dict[str, float]]:  # fmt: skip
+    """(collectives, memory per device) of one GPT step under block-level, forward-masked SDP (Singh et al.,
+    2507.09029; shardkit/parallel/sdp.py) with cyclic ownership over `data`, fsdp / tensor inside each worker.
+
+    A worker holds k = coverage x L blocks: its devices store shared + coverage x blocks parameters, each array
+    over its fsdp x tensor degree (sdp_compose.py's formula; the RMSNorm scales over fsdp only), run k blocks'
+    activations, and fsdp's gathers and Megatron's 4k + 2 all-reduces over them. Holder averaging: the ring's
+    2(h - 1) (+ r - 1) collective-permutes of a slot set (each device its shard of a block per stride), array by
+    array when fsdp / tensor split them; coverage 1 (every block everywhere) is one all-reduce. The shared
+    parameters' gradients: one all-reduce over data. tests/test_sdp_compose.py checks the permute bytes and the
+    parameter memory against the compiled step."""
+    import shardkit as sk  # the public API only (models never import shardkit.parallel)
+
+    c = _cfg(cfg)
+    e, L = c["d_model"], c["num_layers"]
+    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
+    mats = sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
+    block = mats + 2 * e  # one block's parameters (+ its 2 norms)
+    shared, k = num_params(cfg) - L * block, round(coverage * L)
+    # per device: matrices (and the vocab tables) over fsdp x tensor, RMSNorm scales over fsdp only
+    block_dev, shared_dev = (mats / t + 2 * e) / f, ((shared - e) / t + e) / f
+    sub = shared_dev + k * block_dev  # sdp_compose.state_bytes's formula, for the GPT
+    b = CommBuilder(mesh, ("tensor", "fsdp", "data"), backend)
+    tokens = global_batch / (d * f) * seq_len
+    if f > 1:  # ZeRO-3 of the worker's subnetwork
+        b.add("all-gather", "fsdp", sub * f * nbytes, 1, "subnetwork parameters fwd")
+        b.add("all-gather", "fsdp", k * block_dev * f * nbytes, 1, "its blocks again bwd")
+        b.add("reduce-scatter", "fsdp", sub * f * nbytes, 1, "gradients", gspmd=True)
+    if t > 1:
+        n = 4 * k + 2
+        b.add("all-reduce", "tensor", tokens * e * nbytes * n, n, "Megatron f / g of the worker's blocks")
+    ring = sk.sdp.ring_of(sk.sdp.ownership(L, d, coverage))
+    if ring is not None and k < L:
+        arrays = len(fc_layers(cfg)) + 2 if f * t > 1 else 1  # array by array, or one packed buffer
+        n = ring.permutes() * ring.stride * block_dev * nbytes
+        b.add("collective-permute", "data", n, ring.permutes() * arrays, "holder averaging (ring)")
+    else:
+        b.add("all-reduce", "data", L * block_dev * nbytes, 1, "holder averaging (masked all-reduce)")
+    b.add("all-reduce", "data", shared_dev * nbytes, 1, "shared gradients over data")
+    if remat is None:
+        from models.gpt import REMAT_ALIASES
+
+        remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
+    worker = dataclasses.replace(cfg, num_layers=k) if dataclasses.is_dataclass(cfg) else cfg  # its k blocks
+    block_acts = activation_bytes(cfg, tokens, seq_len, 1, t, nbytes)
+    acts = gpt_remat_cost.saved_bytes(worker, remat, tokens, seq_len, 1, t, nbytes, block_acts)
+    acts += tokens * c["vocab_size"] / t * 4 * 2  # fp32 logits and their softmax
+    mem = {"params": nbytes * sub, "grads": nbytes * sub, "optimizer": (16 - 2 * nbytes) * sub, "activations": acts}
+    return b.comms(), {**mem, "total": sum(mem.values())}
+
+
 def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True) -> None:
     """Adds to `b` (a shardkit.costmodel.CommBuilder) the collectives of one GPT step besides the block projections.
 

@@ -215,13 +215,13 @@ def _pow2(n: int) -> list[int]:
     return [2**i for i in range(n.bit_length()) if n % 2**i == 0]
 
 
-def candidates(devices: int, strategies: Sequence[str]) -> list[tuple[str, dict[str, int]]]:
+def candidates(devices: int, strategies: Sequence[Any]) -> list[tuple[Any, dict[str, int]]]:
     """Every power-of-two mesh of `devices` over the mesh axes each strategy's tables use, each of its required
     axes of size > 1 (`Strategy.required_axes`): dp -> data=8; fsdp -> data x fsdp (FSDP and hybrid FSDP);
     tp3d -> every (data, depth, row, col). Read from the registered strategy, never its name."""
     from shardkit.strategies import strategy  # strategies imports nothing from here
 
-    out: list[tuple[str, dict[str, int]]] = []
+    out: list[tuple[Any, dict[str, int]]] = []
     for name in strategies:
         s = strategy(name)  # a ShardkitError naming the registered ones if it is unknown
         axes = sorted(s.mesh_axes() | set(s.required_axes), key=_axis_order)
@@ -273,7 +273,7 @@ def plan(
     global_batch: int,
     seq_len: int | None = None,
     *,
-    strategies: Sequence[str] = ("dp", "fsdp", "tp", "tp_sp", "tp3d"),
+    strategies: Sequence[Any] = ("dp", "fsdp", "tp", "tp_sp", "tp3d"),
     variant: str = "alpha-beta",
     backend: str | None = None,
     nbytes: int = 2,
@@ -325,9 +325,10 @@ def plan(
         shapes = {"inputs": (global_batch, seq_len)} if seq_len else {"batch": (global_batch,)}
         options = []
         for policy in policies:
-            if policy is not None and (s, policy) not in variants:
-                variants[s, policy] = named(s).replace(kernels={"remat": policy})
-            strat = s if policy is None else variants[s, policy]
+            key = (s if isinstance(s, str) else id(s), policy)  # a Strategy object (its tables) is unhashable
+            if policy is not None and key not in variants:
+                variants[key] = named(s).replace(kernels={"remat": policy})
+            strat = s if policy is None else variants[key]
             terms = hook(strat, mesh, shapes, nbytes, backend)
             if terms is None:
                 raise ShardkitError(f"plan: the model's cost model does not cover strategy {s!r}; leave it out")
@@ -337,7 +338,7 @@ def plan(
             over = f"needs {mem['total'] / 2**30:.1f} GiB > {cap / 2**30:.1f} GiB usable"
             reason = "" if mem["total"] <= cap else over
             rt = flops / (hw.peak_flops * efficiency) if hw.peak_flops else 0.0
-            options.append(Plan(s, mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason,
+            options.append(Plan(_label(s), mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason,
                                 remat=policy or "none", recompute_flops=flops, recompute_time_s=rt))  # fmt: skip
             if policy == "none" and not reason:  # fits recomputing nothing: no other policy can rank above it
                 break
@@ -350,6 +351,13 @@ def plan(
         plans = [refine(p, model_cfg, hw, global_batch, seq_len, memory_fraction) for p in plans]
     plans.sort(key=rank_key)
     return plans if include_rejected else [p for p in plans if p.fits]
+
+
+def _label(s: Any) -> str:
+    """A plan's strategy column: the name, or for a Strategy object its options' `tag` (e.g. a coverage)."""
+    if isinstance(s, str):
+        return s
+    return str(getattr(s.options, "tag", None) or s.name)
 
 
 def format_plans(plans: Sequence[Plan], efficiency: float | None = None) -> str:

@@ -20,6 +20,7 @@ from common import make_batch
 from test_sdp import _reference, _scale_close
 
 import shardkit as sk
+from models import gpt_cost
 from models.gpt import GPT, GPTConfig
 from shardkit.parallel.sdp_compose import state_bytes
 
@@ -74,9 +75,19 @@ def test_composed_step_equals_per_worker_reference_and_memory_formula(mesh_spec,
     c = step.bytes_per_step()
     assert formula < 4 * (c["shared_elements"] + c["split_elements"] / 2)
     # the worker's computation is split over the inner axis (not replicated): its collectives are in the program
-    kinds = {(c.kind, c.axes) for c in sk.hlo.collectives(compiled, mesh)}
+    colls = sk.hlo.collectives(compiled, mesh)
+    kinds = {(c.kind, c.axes) for c in colls}
     for kind, axis in inner.items():
         assert (kind, (axis,)) in kinds, kinds
+    # holder averaging array by array on each device's shard: the permutes' bytes are the formula's, and sk.plan's
+    # GPT formula (models/gpt_cost.py) predicts the same bytes and the same parameter memory
+    permutes = [c for c in colls if c.kind == "collective-permute" and c.axes == ("data",)]
+    sent = sum(c.bytes_sent for c in permutes)
+    assert sent == step.bytes_per_step(4)["permute_bytes"] > 0
+    comms, memory = gpt_cost.sdp_terms(CFG, dict(mesh.shape), 16, 16, 0.5, nbytes=4)
+    planned = [r for r in comms if r.kind == "collective-permute"]
+    assert len(planned) == 1 and planned[0].bytes == pytest.approx(sent, rel=1e-9), planned
+    assert memory["params"] == formula
 
 
 def test_composition_refusals():
@@ -88,3 +99,20 @@ def test_composition_refusals():
         sk.make_train_step(model, tx, sk.make_mesh("data=4,tensor=2"), sk.sdp.strategy(granularity="neuron"))
     with pytest.raises(sk.ShardkitError, match=r"backward.*forward"):
         sk.make_train_step(model, tx, sk.make_mesh("data=4,fsdp=2"), sk.sdp.strategy(masking="backward"))
+
+
+def test_plan_ranks_sdp_candidates_with_their_memory_and_traffic():
+    """sk.plan over SDP at coverage 1/2 and 1/4 next to fsdp: every data x fsdp x tensor mesh with data > 1; the
+    coverage 1/4 plan stores less than the 1/2 plan and sends less in holder averaging (fewer holders per block)."""
+    import shardkit.costmodel as cm
+
+    big = dataclasses.replace(CFG, num_layers=16, d_model=1024, num_heads=16, num_kv_heads=16, head_dim=64,
+                              mlp_dim=4096, vocab_size=32000, max_seq_len=1024)  # fmt: skip
+    strategies = ("fsdp", "sdp", sk.sdp.strategy(coverage=0.25))
+    plans = cm.plan(big, 64, "perlmutter", 64, 1024, strategies=strategies, include_rejected=True)
+    assert {p.strategy for p in plans} == {"fsdp", "sdp", "sdp@0.25"}
+    by = {(p.strategy, p.grid): p for p in plans}
+    half, quarter = by["sdp", "data=8,fsdp=8"], by["sdp@0.25", "data=8,fsdp=8"]
+    assert quarter.memory["params"] < half.memory["params"] and quarter.comm_bytes < half.comm_bytes
+    assert all(p.mesh.get("data", 1) > 1 for p in plans if p.strategy.startswith("sdp"))
+    print(cm.format_plans([p for p in plans if p.fits][:8]))

@@ -46,8 +46,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shardkit.errors import ShardkitError
 from shardkit.strategies import register_strategy
@@ -75,6 +73,8 @@ class SDPConfig:
     #: forward masking's evaluation: "subnetworks" (each worker's subnetwork on its shard of the batch, the mean:
     #: what was trained) or "full" (the whole network, every block; backward masking always evaluates it)
     eval: str = "subnetworks"
+
+    tag = property(lambda self: f"sdp@{self.coverage:.3g}", doc="sk.plan's label: sdp and the coverage")
 
     def __post_init__(self) -> None:
         for field, allowed in (("granularity", GRANULARITIES), ("masking", MASKINGS), ("ownership", OWNERSHIPS),
@@ -107,7 +107,8 @@ def strategy(
     cfg = SDPConfig(granularity, float(coverage), masking, ownership, int(seed), axis, units, int(groups), reduce,
                     eval)  # fmt: skip
     desc = (f"subnetwork data parallelism: {cfg.granularity}-level, coverage {cfg.coverage:g}, {cfg.masking} "
-            f"masking, {cfg.ownership} ownership; shared parameters data-parallel")  # fmt: skip
+            f"masking, {cfg.ownership} ownership; shared parameters data-parallel; fsdp / tensor inside each "
+            "worker")  # fmt: skip
     # fsdp / tensor (when the mesh has them) inside each worker: FSDP's and Megatron's tables (sdp_compose.py)
     return named("dp").replace(
         name="sdp", step="sdp", options=cfg, description=desc,
@@ -362,10 +363,6 @@ def find_splits(names: Any, shapes: Any, cfg: SDPConfig, workers: int, what: str
         return Split(dim, groups)
 
     return jax.tree_util.tree_map_with_path(one, names, shapes, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def layout_sharding(mesh: Mesh, axis: str) -> NamedSharding:
-    return NamedSharding(mesh, P(axis))
 
 
 def pack(leaves: Sequence[jax.Array], lead: int) -> tuple[jax.Array, list[tuple[tuple[int, ...], Any]]]:
