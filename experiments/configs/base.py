@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.kernels = ""  # kernel slots over the strategy's: "slot=name,..." e.g. "norm=group" (per-group BatchNorm),
     #                 "conv=halo,pool=halo", "attention=ring:zigzag" (shardkit/kernels.py; listed when one is unknown)
     c.sdp = ml_collections.ConfigDict()  # strategy=sdp only: subnetwork data parallelism (shardkit/parallel/sdp.py)
+    # (its workers are the `data` coordinates; fsdp / tensor in the mesh split each worker: --config.mesh=data=4,fsdp=2)
     c.sdp.granularity = "block"  # block (whole layers of a stack) | neuron (groups of hidden units, `units`)
     c.sdp.coverage = 0.5  # fraction of the blocks (or unit groups) each worker holds; a multiple of 1/blocks
     c.sdp.masking = "forward"  # forward (subnetwork alone; memory = coverage) | backward (full forward, masked grads)

@@ -15,6 +15,9 @@ What is split is found from the parameters' logical names, so no model is named 
   (default: one per worker); a worker holds k = coverage x G groups of every layer's units.
 Parameters without that name (embedding, stem, head, norms) are shared: plain data parallelism.
 
+With `fsdp` / `tensor` in the mesh as well, each worker is the devices sharing its `data` coordinate, and FSDP's
+and Megatron's rules (this strategy's tables) split its subnetwork among them (sdp_compose.py).
+
 Masking:
 - `forward`: the subnetwork alone runs forward, backward and update. Each device *stores* only its k slots of
   every split parameter (a `[workers, k, ...]` array sharded over `data`), and so only their gradients and
