@@ -155,7 +155,9 @@ class GPTConfig:
         if self.num_experts:
             return gpt_cost.moe_divisibility(self, mesh, global_batch)
         sdp = _sdp_options(strategy)
-        if sdp is not None:  # SDP's ownership table must exist for these workers (else the step refuses it)
+        if sdp is not None:  # what the SDP step would refuse: both inner axes; no ownership table for the workers
+            if mesh.get("fsdp", 1) > 1 and mesh.get("tensor", 1) > 1:
+                return "sdp spans fsdp or tensor inside a worker, not both (shardkit/parallel/sdp_compose.py)"
             try:
                 sk.sdp.ownership(self.num_layers, mesh.get("data", 1), sdp.coverage)
             except sk.ShardkitError as err:

@@ -97,6 +97,8 @@ def test_composition_refusals():
         sk.make_train_step(model, tx, sk.make_mesh("data=4,stage=2"), sk.sdp.strategy())
     with pytest.raises(sk.ShardkitError, match=r"neuron.*tensor=2"):
         sk.make_train_step(model, tx, sk.make_mesh("data=4,tensor=2"), sk.sdp.strategy(granularity="neuron"))
+    with pytest.raises(sk.ShardkitError, match=r"fsdp or tensor, not both"):  # XLA aborts the process on it
+        sk.make_train_step(model, tx, sk.make_mesh("data=2,fsdp=2,tensor=2"), sk.sdp.strategy(coverage=1.0))
     with pytest.raises(sk.ShardkitError, match=r"backward.*forward"):
         sk.make_train_step(model, tx, sk.make_mesh("data=4,fsdp=2"), sk.sdp.strategy(masking="backward"))
 
@@ -114,5 +116,7 @@ def test_plan_ranks_sdp_candidates_with_their_memory_and_traffic():
     by = {(p.strategy, p.grid): p for p in plans}
     half, quarter = by["sdp", "data=8,fsdp=8"], by["sdp@0.25", "data=8,fsdp=8"]
     assert quarter.memory["params"] < half.memory["params"] and quarter.comm_bytes < half.comm_bytes
-    assert all(p.mesh.get("data", 1) > 1 for p in plans if p.strategy.startswith("sdp"))
+    sdp = [p for p in plans if p.strategy.startswith("sdp")]
+    assert sdp and all(p.mesh["data"] > 1 and (p.mesh.get("fsdp", 1) == 1 or p.mesh.get("tensor", 1) == 1) for p in sdp)
+    assert {"data=8,tensor=8", "data=16,fsdp=4"} <= {p.grid for p in sdp}
     print(cm.format_plans([p for p in plans if p.fits][:8]))

@@ -56,6 +56,12 @@ def inner_axes(mesh: Mesh, cfg: Any, microbatches: int) -> dict[str, int]:
                 f"sdp with mesh axis {a!r} (size {n}): SDP does not compose with it. It composes with "
                 f"{', '.join(f'{k} ({v})' for k, v in INNER_AXES.items())}; drop {a!r} from the mesh"
             )
+    if len(extra) > 1:  # XLA's SPMD partitioner aborts the process on it (jax 0.10.2): refused, not crashed
+        raise ShardkitError(
+            f"sdp with {extra}: a worker may span fsdp or tensor, not both at once. The step's shard_map, manual "
+            f"over {cfg.axis!r} with two automatic axes, makes XLA's SPMD partitioner abort (a CHECK failure in "
+            "spmd_partitioner_util.cc, jax 0.10); use data x fsdp or data x tensor"
+        )
     if extra and cfg.masking == "backward":
         raise ShardkitError(f"sdp masking='backward' keeps a full replica per worker and runs on {cfg.axis!r} alone; "
                             f"the mesh has {extra}: use masking='forward' with fsdp / tensor")  # fmt: skip
