@@ -4,8 +4,10 @@
     python -m experiments.plan --model gpt_7b --devices 64 --hardware frontier --variant axonn --batch 64
 
 --model names a GPT config in experiments/configs, or a path to one (its model shape, batch size and sequence length
-are used; --batch / --seq override them). Prints the ranked table of `sk.plan` (predicted communication time per step,
-GiB sent per device, memory per device) and the plans rejected for memory; --plot draws the top plans.
+are used; --batch / --seq override them). Prints the ranked table of `sk.plan` (the remat policy each plan needs and
+its recompute cost, predicted communication and step time, GiB sent per device, memory per device) and the plans
+rejected for memory; --plot draws the top plans. --remat lists the policies tried (default none, dots,
+dots_no_batch, full: the config's own remat alias is then ignored); --remat=config keeps the config's.
 """
 
 from __future__ import annotations
@@ -73,12 +75,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", default="alpha-beta", choices=("alpha-beta", "axonn"))
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--plot", default="", help="write a PNG of the top plans")
+    policies = ",".join(costmodel.REMAT_POLICIES)
+    ap.add_argument("--remat", default=policies, help="remat policies tried per plan; 'config': the config's own only")
     args = ap.parse_args(argv)
     try:
         cfg, batch, seq = model_from_config(args.model)
         batch, seq = args.batch or batch, args.seq or seq
+        remat = None if args.remat == "config" else tuple(p for p in args.remat.split(",") if p)
+        if remat is not None:  # the planner chooses the policy: the config's own alias would contradict it
+            cfg = dataclasses.replace(cfg, remat="none")
         plans = costmodel.plan(cfg, args.devices, args.hardware, batch, seq, variant=args.variant,
-                               include_rejected=True)  # fmt: skip
+                               include_rejected=True, remat=remat)  # fmt: skip
     except ShardkitError as e:  # a wrong name or value: one line, as the other entry points print it
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -86,8 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     title = (f"{args.model} ({cfg.num_params() / 1e9:.2f}B params), {args.devices} x {args.hardware}, "
              f"batch {batch} x {seq}, {args.variant}")  # fmt: skip
     print(title)
-    print(costmodel.format_plans(fits[: args.top]))
-    print(f"{len(fits)} plans fit, {len(plans) - len(fits)} rejected for memory, e.g.:")
+    print(costmodel.format_plans(fits[: args.top], efficiency=0.5))
+    remat_only = [p for p in fits if p.remat != "none"]
+    print(f"{len(fits)} plans fit, {len(remat_only)} of them only with remat (their recompute cost ranked in), "
+          f"{len(plans) - len(fits)} rejected for memory, e.g.:")  # fmt: skip
     print(costmodel.format_plans([p for p in plans if not p.fits][:3]))
     if args.plot:
         plot(fits[: args.top], args.plot, title)

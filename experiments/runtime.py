@@ -216,10 +216,15 @@ def _choices() -> dict[str, tuple[str, ...]]:
 def check_choices(config: Any) -> None:
     """Every field with a closed set of values holds one of them, whether or not this run reads it (a typo in an
     unused section is still a typo), and the data's token dtype is an integer dtype: before anything is built."""
+    from shardkit.parallel import pipeline
+
     for field, allowed in _choices().items():
         section, _, key = field.partition(".")
         if section in config and key in config[section] and config[section][key] not in allowed:
             raise sk.ShardkitError(f"{field}={config[section][key]!r}: choose one of {', '.join(allowed)}")
+    cut = config.pipeline.get("stage_layers", "") if "pipeline" in config else ""
+    if str(cut).strip() not in ("", "hetero"):
+        pipeline.parse_cut(cut, "pipeline.stage_layers")  # counts >= 1; matched to the stages when the kernel runs
     for field in ("model.dtype", "model.param_dtype"):
         section, _, key = field.partition(".")
         value = config[section][key] if section in config and key in config[section] else "float32"
@@ -243,13 +248,52 @@ def check_choices(config: Any) -> None:
 def strategy_of(config: Any, devices: int) -> sk.Strategy:
     """The run's strategy: its name, the config sections of its step and kernels (`sk.configure`), the
     `kernels` overrides and `strict_names`, checked."""
-    strategy = sk.configure(config.strategy, config.to_dict(), devices=devices, global_batch=config.batch_size,
+    sections = config.to_dict()
+    note = stage_layers(config, sections, devices)
+    strategy = sk.configure(config.strategy, sections, devices=devices, global_batch=config.batch_size,
                             preset=mesh_preset(config))  # fmt: skip
+    layers = strategy.kernels.get("layers", "")
+    if "@" in layers:  # the cut the run uses: checked against the mesh and the model now, printed with the strategy
+        from shardkit.parallel import pipeline
+
+        if "model" in config and "num_layers" in config.model:
+            stages = target_axes(config, devices).get("stage", 1)
+            pipeline.stage_cut(layers, stages, config.model.num_layers)
+        strategy = strategy.replace(description=f"{strategy.description}; {note}")
     strategy = with_kernels(strategy, config.get("kernels", ""))
     if "model" in config and "remat" in config.model:  # the GPT's alias and the remat kernel: one policy, or an error
         sk.layers.combine_remat(strategy.kernels.get("remat"), gpt.REMAT_ALIASES.get(config.model.remat, "none"))
     strategy = strategy.replace(offload=config.get("offload", ""))  # host offload of the state (ZeRO-Offload)
     return strategy.replace(strict_names=True) if config.get("strict_names", False) else strategy
+
+
+def stage_layers(config: Any, sections: dict[str, Any], devices: int) -> str:
+    """Resolves `pipeline.stage_layers="hetero"` in `sections` to layer counts: the min-max cut of the model's
+    layers over the pipeline stages, each as fast as its slowest device in the hardware preset's [[groups]] (the
+    mesh preset's, else `hardware`'s; `sk.hetero.hetero_stage_plan`). Returns the line describing the cut."""
+    cut = str(sections.get("pipeline", {}).get("stage_layers", "") or "").strip()
+    if not cut:
+        return ""
+    if cut != "hetero":
+        return f"stage layers {cut} (given; pipeline.stage_layers)"
+    if not sk.strategy(config.strategy).kernels.get("layers", "").startswith("pipeline"):
+        return ""  # this run has no pipeline to cut
+    preset = mesh_preset(config) or resolve_preset(config.hardware)
+    if preset is None or not preset.groups:
+        raise sk.ShardkitError(
+            f"pipeline.stage_layers='hetero' cuts the layers by the device speeds of a heterogeneous preset, but "
+            f"{getattr(preset, 'name', config.hardware)!r} has no [[groups]]: give --config.hardware=hetero_v100_p100 "
+            "(or another meshes/hetero_*.toml), or the counts, e.g. --config.pipeline.stage_layers=3,5"
+        )
+    axes = target_axes(config, devices)
+    plan = sk.hetero.hetero_stage_plan(preset.device_speeds(), axes, config.model.num_layers)
+    speeds = sk.hetero.stage_speeds(preset.device_speeds(), axes)
+    sections["pipeline"]["stage_layers"] = ",".join(map(str, plan.counts))
+    p, n = len(speeds), config.model.num_layers
+    even = sk.hetero.plan_of([n // p + (s < n % p) for s in range(p)], speeds).step_time
+    return (f"stage layers {','.join(map(str, plan.counts))} (hetero: min-max cut over {preset.name}'s stage speeds "
+            f"{','.join(f'{v:g}' for v in speeds)}; SIMULATED slowest stage {plan.step_time:.2f} vs {even:.2f} layers "
+            "per unit speed for the even cut)")  # fmt: skip
 
 
 def run_app(main: Any) -> None:

@@ -4,6 +4,7 @@
     python -m experiments.train --config.strategy=tp --config.mesh="data=2,tensor=4"          # another strategy
     python -m experiments.train --config=experiments/configs/gpt_1b.py --config.data.path=/data/owt   # a pod
     python -m experiments.train --config=experiments/configs/resnet_digits.py     # a ResNet on digits, dp, ~1 min
+    python -m experiments.train --config.strategy=auto   # the planner picks strategy, mesh, remat (experiments/auto.py)
 
 `config.task` picks the model family (experiments/tasks.py): "lm" (GPT on tokens, the default) or
 "image_classification" (ResNet on images). Writes `<run_dir>/<name>/` (name: `--config.name`, default
@@ -50,7 +51,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
-from experiments import runtime
+from experiments import auto, runtime
 from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
 from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)
@@ -255,14 +256,20 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
     main = jax.process_index() == 0
     t_start = time.perf_counter() - _since_process_start()
-    run = build(config)
     show_bar = main and config.progress and sys.stderr.isatty()
     say: Callable[[str], None] = (tqdm.write if show_bar else print) if main else (lambda _: None)
+    compiled, chosen = None, None
+    if config.strategy == "auto":  # the planner picks; then exactly the run the user would have typed (auto.py)
+        best, why = auto.choose(config, build, say)
+        config, run, compiled = auto.resolved(config, best), best.run, best.compiled
+        chosen = {**best.overrides(), "estimate_s": best.estimate_s, "memory": best.memory, "why": why}
+    else:
+        run = build(config)
     # one trainer per run, taken before the checkpointer (which clears unfinished saves) and the metrics file
     with runtime.RunLock(run.dir) if main else contextlib.nullcontext():
         ckpt = Checkpointer(run.dir / "checkpoints", keep=config.keep, async_save=config.async_checkpointing)
         try:
-            return _train(config, run, ckpt, say, show_bar, t_start)
+            return _train(config, run, ckpt, say, show_bar, t_start, compiled, chosen)
         finally:
             ckpt.close()  # waits for an in-flight save: the last good checkpoint is committed
 
@@ -295,13 +302,17 @@ def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], No
 
 
 def _train(
-    config: ml_collections.ConfigDict, run: Run, ckpt: Checkpointer, say: Callable[[str], None], bar: bool, t0: float
-) -> dict[str, Any]:
+    config: ml_collections.ConfigDict, run: Run, ckpt: Checkpointer, say: Callable[[str], None], bar: bool, t0: float,
+    compiled: Any = None, chosen: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     step, task = run.step, run.task
     info = _header(config, run, say)
-    t_compile = time.perf_counter()
-    compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
-    say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
+    if chosen:
+        info["auto"] = chosen
+    if compiled is None:
+        t_compile = time.perf_counter()
+        compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
+        say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
     start = ckpt.latest_step()
     if start is not None:
         with warnings.catch_warnings(record=True) as seen:  # a damaged newest step: set aside, an older one restored
@@ -364,7 +375,7 @@ def _train(
     finally:
         log.close()
     summary = _summary(config, run, info, log.records, state, start, stopped, mem, t0, say)
-    return summary | {"first_step_s": log.first_step_s}
+    return summary | {"first_step_s": log.first_step_s, "auto": chosen}
 
 
 def _summary(config: ml_collections.ConfigDict, run: Run, info: dict, recs: list, state: sk.TrainState, start: int,

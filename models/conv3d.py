@@ -42,33 +42,9 @@ def conv3d(
     )  # fmt: skip
 
 
-class BatchNorm(nnx.BatchNorm):
-    """Flax's BatchNorm whose training statistics may be taken per group of the batch (the strategy's `norm` slot).
-
-    With the default "global" kernel it is `nnx.BatchNorm`: statistics over the whole global batch (the one-device
-    computation), under any split, since the reductions run on the global array. With "group" each data-parallel
-    group of samples (a shard of the batch over its mesh axes, each sample whole over its spatial shards) is
-    normalised by its own mean and variance; the running statistics then move towards the groups' average mean and
-    variance. Evaluation uses the running statistics either way.
-    """
-
-    def __call__(self, x: jax.Array, use_running_average: bool | None = None, *, mask: Any = None) -> jax.Array:
-        running = self.use_running_average if use_running_average is None else use_running_average
-        groups = 1 if running else sk.layers.norm_groups(x.shape[0])
-        if groups == 1 or mask is not None:
-            return super().__call__(x, use_running_average, mask=mask)
-        dtype = jnp.promote_types(x.dtype, jnp.float32)
-        xg = x.reshape(groups, x.shape[0] // groups, *x.shape[1:]).astype(dtype)
-        axes = tuple(range(1, xg.ndim - 1))
-        mean = xg.mean(axes, keepdims=True)
-        var = jnp.maximum((xg * xg).mean(axes, keepdims=True) - mean * mean, 0.0)  # Flax's fast variance
-        y = (xg - mean) * jax.lax.rsqrt(var + self.epsilon)
-        y = y * self.scale[...].astype(dtype) + self.bias[...].astype(dtype)
-        decay = lambda old, new: jax.lax.stop_gradient(
-            self.momentum * old + (1 - self.momentum) * new.reshape(groups, -1).mean(0).astype(old.dtype)
-        )
-        self.mean[...], self.var[...] = decay(self.mean[...], mean), decay(self.var[...], var)
-        return y.reshape(x.shape).astype(self.dtype or x.dtype)
+#: Flax's BatchNorm whose training statistics follow the strategy's `norm` slot ("global": the one-device statistics
+#: under any split; "group": one set per data-parallel group) and hetero_dp's uneven parts (shardkit/batch_layers.py).
+BatchNorm = sk.layers.BatchNorm
 
 
 def batch_norm(

@@ -96,7 +96,7 @@ class CosmoFlowConfig:
             return None
         batch = next(iter(batch_shapes.values()))[0]
         comms = cosmoflow_cost.comms(self, strategy, mesh, batch, self.size, nbytes)
-        memory = cosmoflow_cost.memory(self, strategy, mesh, batch, self.size, nbytes)
+        memory = cosmoflow_cost.memory(self, strategy, mesh, batch, self.size, nbytes, backend)
         return comms, memory, f"models/cosmoflow_cost.py ({family}: explicit halo exchange + gradient all-reduces)"
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:

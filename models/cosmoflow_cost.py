@@ -12,11 +12,13 @@ calls `comms` and `memory` here, for `dp` and the spatial strategies (`spatial`,
   the explicit kernels' traffic for both, as the lower bound.
 - gradients: one all-reduce (ring, 2(p-1)/p) of the split blocks' conv weights over every mesh axis, and of the
   rest (later blocks, dense head, BatchNorm) over the batch axes (they run replicated over the spatial axes).
-- memory: parameters + gradients + Adam's two moments (4 x the parameter bytes) and activations: per sample
-  and block, the conv's input, its output and the pooled output (extent^3 x (c_in + 2 c_out) x nbytes), twice
-  (the backward pass holds each one's gradient next to it), divided by the spatial degree in split blocks and
-  by the batch degree. An estimate for planning, not a bound: XLA:CPU's compiled temporaries of the 3-block
-  trunk in bench_spatial are 1.8x it (halo-padded copies, fusion buffers); bench_spatial prints both.
+- memory: parameters + gradients + Adam's two moments (4 x the parameter bytes) and the activations' peak per
+  device (`activation_bytes`: a walk over the blocks, a table of its terms in its docstring). On XLA:CPU
+  (backend "cpu") it is the compiled temporaries within 3% for cosmoflow_tiny at spatial degree 1, 2, 4, 8
+  (docs/spatial.md; tests/test_spatial_memory.py), 72% of which XLA:CPU's max-pool gradient expansion alone
+  allocates (reported as `xla_cpu`); on a GPU it is an estimate of the same terms without that expansion (not
+  measured: no GPU here). The previous estimate (each block's input, output and pooled output, twice) was half
+  the compiled figure.
 """
 
 from __future__ import annotations
@@ -94,15 +96,72 @@ def comms(cfg: Any, strategy: str, mesh: dict[str, int], batch: int, size: int, 
     return out
 
 
-def memory(cfg: Any, strategy: str, mesh: dict[str, int], batch: int, size: int, nbytes: int) -> dict[str, float]:
-    _, s_deg, b_deg = _degrees(strategy, mesh)
-    params = cfg.num_params() * nbytes
-    act = 0.0
+def _local(cfg: Any, strategy: str, mesh: dict[str, int], batch: int, size: int) -> list[tuple[int, int, int]]:
+    """Per conv block, elements per device of (the conv's input as the backward pass keeps it: halo-padded by 1
+    plane per side on each split axis, its output, the pooled output)."""
+    axes, _, b_deg = _degrees(strategy, mesh)
+    degs = [mesh[a] if a else 1 for a in axes]
+    out = []
     for s, c_in, c_out, split in _blocks(cfg, size):
-        act += s**3 * (c_in + 2 * c_out) * nbytes / (s_deg if split else 1)
-    act *= 2 * batch / b_deg
-    mem = dict(params=params, grads=params, optimizer=2 * params, activations=act)
-    return {**mem, "total": sum(mem.values())}
+        local = [s // d if split else s for d in degs]
+        padded = [e + 2 if split and d > 1 else e for e, d in zip(local, degs, strict=True)]  # k=3: halo (1, 1)
+        vox = batch // b_deg * math.prod(local)
+        out.append((batch // b_deg * math.prod(padded) * c_in, vox * c_out, vox * c_out // 8))
+    return out
+
+
+def activation_bytes(
+    cfg: Any, strategy: str, mesh: dict[str, int], batch: int, size: int, nbytes: int, backend: str = "gpu"
+) -> dict[str, float]:
+    """Per-device peak of the step's temporaries (bytes), a walk over the conv blocks. Per block, elements per
+    device of the conv's input (`in`, halo-padded: extent + 2 per split axis), output (`out`) and pooled output
+    (`pooled`); values of `nbytes`, indices int32 (4 bytes):
+
+        term               bytes per block      backend   what it is
+        conv input         in x nbytes          any       the weight gradient's operand (XLA:CPU: a transposed copy)
+        conv output        out x nbytes         any       BatchNorm's input (LeakyReLU's without BatchNorm)
+        centred            out x nbytes         any       BatchNorm's x - mean, kept for the backward
+        pool input         out x nbytes         gpu/tpu   select-and-scatter's operand (estimate: no GPU here)
+        pool iotas         5 out x 4            XLA:CPU   SelectAndScatterExpander: one iota per dimension of the
+                                                          pool input, every pool's, from the step's start to its pool
+        scatter operand    out x nbytes         XLA:CPU   the expander's zeros of the pool input's shape, every
+                                                          pool's, from the forward pass to the pool's gradient
+        argmax indices     5 pooled x 4         XLA:CPU   the expander's reduce-window result, kept for the backward
+        working set        (out + pooled) x nb  any       the running pool's input and output
+
+    XLA:CPU (measured) peaks at the first pool of the forward pass, every block's iotas and scatter operands live:
+    the max over blocks i of the iotas of blocks >= i, every scatter operand, the saved terms (conv input, output,
+    centred, argmax) of blocks <= i and block i's working set. Elsewhere (estimated) the saved terms with the pool
+    input in place of the expander's, up to the block whose working set or backward (its pool input's and conv
+    output's gradients, 2 out x nbytes) is largest. The dense head is small and not counted. Measured predicted /
+    compiled (cosmoflow_tiny, S = 1, 2, 4, 8): docs/spatial.md.
+    """
+    blocks, cpu, conv_terms = _local(cfg, strategy, mesh, batch, size), backend == "cpu", 2 + cfg.batch_norm
+    conv = [(i_n + (conv_terms - 1) * o) * nbytes for i_n, o, _ in blocks]  # input, output, BatchNorm centred
+    work = [(o + p) * nbytes for _, o, p in blocks]
+    if cpu:
+        iotas = [5 * 4 * o for _, o, _ in blocks]
+        zeros = sum(o * nbytes for _, o, _ in blocks)
+        argmax = [5 * 4 * p for _, _, p in blocks]
+        only = [sum(iotas[i:]) + zeros + sum(argmax[: i + 1]) for i in range(len(blocks))]  # XLA:CPU's terms
+        peaks = [only[i] + sum(conv[: i + 1]) + work[i] for i in range(len(blocks))]
+        top = max(range(len(blocks)), key=peaks.__getitem__)
+        return dict(activations=peaks[top], xla_cpu=only[top])
+    saved = [c + o * nbytes for c, (_, o, _) in zip(conv, blocks, strict=True)]  # + the pool input
+    grads = [2 * o * nbytes for _, o, _ in blocks]
+    peak = max(max(sum(saved[: i + 1]) + work[i], sum(saved[: i + 1]) + grads[i]) for i in range(len(blocks)))
+    return dict(activations=peak, xla_cpu=0.0)
+
+
+def memory(
+    cfg: Any, strategy: str, mesh: dict[str, int], batch: int, size: int, nbytes: int, backend: str = "gpu"
+) -> dict[str, float]:
+    """Parameters, gradients, Adam's two moments and the activations' peak (`activation_bytes`), per device;
+    `xla_cpu` is the part of `activations` that only XLA:CPU allocates (0 elsewhere), not added again to `total`."""
+    params = cfg.num_params() * nbytes
+    act = activation_bytes(cfg, strategy, mesh, batch, size, nbytes, backend)
+    mem = dict(params=params, grads=params, optimizer=2 * params, activations=act["activations"])
+    return {**mem, "total": sum(mem.values()), "xla_cpu": act["xla_cpu"]}
 
 
 def divisibility(cfg: Any, strategy: str, mesh: dict[str, int], batch: int, size: int) -> str:

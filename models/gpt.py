@@ -11,6 +11,7 @@ grow with depth. Every parameter has `logical_axes` metadata and every major act
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,16 +119,34 @@ class GPTConfig:
             comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
             memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes)
             return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({name}: all-to-alls only)"
+        sdp = _sdp_options(strategy)
+        if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
+            batch, seq = next(iter(batch_shapes.values()))[:2]
+            comms, memory = gpt_cost.sdp_terms(self, mesh, batch, seq, sdp.coverage, nbytes, backend,
+                                               remat=self.remat_policy(strategy))  # fmt: skip
+            return comms, memory, f"models/gpt_cost.py sdp_terms (coverage {sdp.coverage:g}, backend {backend})"
         family = gpt_cost.formula(strategy)  # from the strategy's tables, not its name
         if family is None:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
-        comms = gpt_cost.strategy_comms(family, self, mesh, batch, seq, nbytes, backend, gspmd=family == "tp3d")
-        # the remat kernel, where the strategy sets one, over the alias (the formulas know "full"; any other = none)
-        remat = sk.layers.combine_remat(sk.strategy(strategy).kernels.get("remat"), REMAT_ALIASES[self.remat])
-        cfg = dataclasses.replace(self, remat="full" if remat == "full" else "none")
-        memory = gpt_cost.memory(family, cfg, mesh, batch, seq, nbytes)
+        comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend))
+        memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy))
         return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend})"
+
+    def remat_policy(self, strategy: Any) -> str:
+        """The remat policy the cost model assumes under `strategy`: its `remat` kernel where it sets one (what
+        `sk.plan` varies), else this config's alias. (A real run refuses a slot and an alias that disagree.)"""
+        slot = sk.strategy(strategy).kernels.get("remat")
+        return slot if slot is not None else REMAT_ALIASES[self.remat]
+
+    def recompute_flops(self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]]) -> float:
+        """`sk.plan`'s hook: FLOPs per device per step the backward re-runs under the strategy's remat policy
+        (models/gpt_remat_cost.py states the convention)."""
+        from models import gpt_remat_cost
+
+        batch, seq = next(iter(batch_shapes.values()))[:2]
+        devices = math.prod(mesh.values())
+        return gpt_remat_cost.recompute_flops(self, self.remat_policy(strategy), batch * seq, seq, devices)
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
@@ -135,7 +154,24 @@ class GPTConfig:
 
         if self.num_experts:
             return gpt_cost.moe_divisibility(self, mesh, global_batch)
+        sdp = _sdp_options(strategy)
+        if sdp is not None:  # what the SDP step would refuse: both inner axes; no ownership table for the workers
+            if mesh.get("fsdp", 1) > 1 and mesh.get("tensor", 1) > 1:
+                return "sdp spans fsdp or tensor inside a worker, not both (shardkit/parallel/sdp_compose.py)"
+            try:
+                sk.sdp.ownership(self.num_layers, mesh.get("data", 1), sdp.coverage)
+            except sk.ShardkitError as err:
+                return str(err)
+            return gpt_cost.divisibility("fsdp_tp", self, mesh, global_batch)
         return gpt_cost.divisibility(gpt_cost.formula(strategy) or "", self, mesh, global_batch)
+
+
+def _sdp_options(strategy: Any) -> Any:
+    """The SDP options the cost formulas cover (block-level, forward masking, cyclic ownership), else None."""
+    options = sk.strategy(strategy).options
+    ok = (getattr(options, k, None) == v for k, v in (("granularity", "block"), ("masking", "forward"),
+                                                       ("ownership", "cyclic"), ("axis", "data")))  # fmt: skip
+    return options if sk.strategy(strategy).step == "sdp" and all(ok) else None
 
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:

@@ -36,10 +36,12 @@ all-reduces; that choice depends on XLA's cost heuristics and is not modelled (l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
+from models import gpt_remat_cost
 from shardkit.costmodel import TP3D_ORDER, Comm, CommBuilder, tp3d_layer_comms
 from shardkit.errors import ShardkitError
 
@@ -164,6 +166,15 @@ def strategy_comms(
     return b.comms()
 
 
+@functools.lru_cache(maxsize=4096)
+def cached_comms(
+    family: str, cfg: Any, mesh: tuple[tuple[str, int], ...], global_batch: int, seq_len: int, nbytes: int, backend: str
+) -> tuple[Comm, ...]:
+    """`strategy_comms` memoised (the GSPMD step's for tp3d): `sk.plan` asks once per remat policy it tries, and
+    the collectives do not depend on the policy (a recomputed forward's collectives are not modelled)."""
+    return tuple(strategy_comms(family, cfg, dict(mesh), global_batch, seq_len, nbytes, backend, family == "tp3d"))
+
+
 def moe_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4) -> list[Comm]:
     """Expert parallelism's all-to-alls (strategies ep / ep_gspmd): per MoE layer 2 forward + 2 backward over
     `expert`, each of the [E, G_l, C, d_model] buffer (G_l = sequences per device, C = the capacity per
@@ -217,23 +228,32 @@ def num_params(cfg: Any) -> int:
 
 
 def activation_bytes(cfg: Any, tokens: int, seq_len: int, embed_split: int, head_split: int, nbytes: int = 2) -> float:
-    """Saved activations of one block for `tokens` tokens on one device, our layer (no dropout, SwiGLU, GQA).
+    """Saved activations of one block for `tokens` tokens on one device, our layer (no dropout, SwiGLU, GQA, RoPE).
 
-    Korthikanti et al. (2205.05198, §4.1) itemised for our block, elements per token: 4e (both RMSNorms' inputs
-    and outputs, split over the embed axis), (n + 2k)·hd (q, k, v) + n·hd (attention output) + 3f (gate, up,
-    SiLU product; split over the head / mlp axis), 2·n·s (scores and probabilities). At 2 bytes, f = 4e,
-    k = n: 40e + 4ns bytes per token, against Korthikanti's 34h + 5as (GELU MLP, dropout masks).
+    Korthikanti et al. (2205.05198, §4.1, Table 2) itemised for our block as JAX's autodiff saves it
+    (`jax.ad_checkpoint.print_saved_residuals` of models/gpt.py's Block), per token, at `nbytes` unless stated:
+    5e (the first RMSNorm's normalised input and output, the residual after attention, the second's normalised
+    input and output; split over the embed axis), (n + 2k)·hd (RoPE'd q, k and v) + n·hd (attention output)
+    + 6f (gate, up, SiLU's three intermediates, their product; split over the head / mlp axis), per head and
+    key: the masked scores and their exp in fp32 (jax.nn's softmax), the probabilities at `nbytes` and the
+    causal mask's byte, and RoPE's sin / cos (2·hd fp32). Korthikanti's GELU block with dropout counts 34h +
+    5as bytes at 2 bytes per value; ours at f = 4e, k = n, nbytes = 2: 58e + 11ns + 8hd.
     """
     c = _cfg(cfg)
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
-    per_token = 4 * e / embed_split + ((n + 2 * k) * hd + n * hd + 3 * f + 2 * n * seq_len) / head_split
-    return tokens * per_token * nbytes
+    values = 5 * e / embed_split + ((n + 2 * k) * hd + n * hd + 6 * f) / head_split
+    scores = (4 + 4 + nbytes + 1) * n * seq_len / head_split
+    return tokens * (values * nbytes + scores + 2 * hd * 4)
 
 
 def memory(
-    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2
-) -> dict[str, float]:
-    """Bytes per device: params, grads, optimizer (ZeRO formulas), activations (all layers + fp32 logits)."""
+    strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
+    remat: str | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Bytes per device: params, grads, optimizer (ZeRO formulas), activations (all layers + fp32 logits).
+
+    `remat`: the remat policy the activations are saved under (models/gpt_remat_cost.py); None = the config's
+    `remat` alias (models/gpt.py REMAT_ALIASES)."""
     c = _cfg(cfg)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
     gx, gy, gz, gd = (mesh.get(a, 1) for a in TP3D_ORDER)
@@ -244,10 +264,12 @@ def memory(
     embed_split, head_split = {"tp_sp": (t, t), "tp3d": (gx, gy)}.get(strategy, (1, t))
     psi = num_params(cfg) / state_deg
     tokens = global_batch / batch_deg * seq_len
-    if getattr(cfg, "remat", "none") == "full":  # only each block's input is saved (Korthikanti: 2sbh)
-        acts = c["num_layers"] * tokens * c["d_model"] / embed_split * nbytes
-    else:
-        acts = c["num_layers"] * activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes)
+    if remat is None:
+        from models.gpt import REMAT_ALIASES
+
+        remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
+    block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes)
+    acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, embed_split, head_split, nbytes, block)
     acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax
     opt = (16 - 2 * nbytes) * psi / (d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
     mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": opt, "activations": acts}
@@ -271,6 +293,60 @@ def divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: in
     if t > 1 and (c["num_heads"] % t or c["num_kv_heads"] % t or c["mlp_dim"] % t):
         return f"heads {c['num_heads']} / kv_heads {c['num_kv_heads']} / mlp {c['mlp_dim']} not divisible by tensor={t}"
     return ""
+
+
+def sdp_terms(
+    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, coverage: float, nbytes: int = 2,
+    backend: str = "gpu", remat: str | None = None,
+) -> tuple[list[Comm], dict[str, float]]:  # fmt: skip
+    """(collectives, memory per device) of one GPT step under block-level, forward-masked SDP (Singh et al.,
+    2507.09029; shardkit/parallel/sdp.py) with cyclic ownership over `data`, fsdp / tensor inside each worker.
+
+    A worker holds k = coverage x L blocks: its devices store shared + coverage x blocks parameters, each array
+    over its fsdp x tensor degree (sdp_compose.py's formula; the RMSNorm scales over fsdp only), run k blocks'
+    activations, and fsdp's gathers and Megatron's 4k + 2 all-reduces over them. Holder averaging: the ring's
+    2(h - 1) (+ r - 1) collective-permutes of a slot set (each device its shard of a block per stride), array by
+    array when fsdp / tensor split them; coverage 1 (every block everywhere) is one all-reduce. The shared
+    parameters' gradients: one all-reduce over data. tests/test_sdp_compose.py checks the permute bytes and the
+    parameter memory against the compiled step."""
+    import shardkit as sk  # the public API only (models never import shardkit.parallel)
+
+    c = _cfg(cfg)
+    e, L = c["d_model"], c["num_layers"]
+    d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
+    mats = sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
+    block = mats + 2 * e  # one block's parameters (+ its 2 norms)
+    shared, k = num_params(cfg) - L * block, round(coverage * L)
+    # per device: matrices (and the vocab tables) over fsdp x tensor, RMSNorm scales over fsdp only
+    block_dev, shared_dev = (mats / t + 2 * e) / f, ((shared - e) / t + e) / f
+    sub = shared_dev + k * block_dev  # sdp_compose.state_bytes's formula, for the GPT
+    b = CommBuilder(mesh, ("tensor", "fsdp", "data"), backend)
+    tokens = global_batch / (d * f) * seq_len
+    if f > 1:  # ZeRO-3 of the worker's subnetwork
+        b.add("all-gather", "fsdp", sub * f * nbytes, 1, "subnetwork parameters fwd")
+        b.add("all-gather", "fsdp", k * block_dev * f * nbytes, 1, "its blocks again bwd")
+        b.add("reduce-scatter", "fsdp", sub * f * nbytes, 1, "gradients", gspmd=True)
+    if t > 1:
+        n = 4 * k + 2
+        b.add("all-reduce", "tensor", tokens * e * nbytes * n, n, "Megatron f / g of the worker's blocks")
+    ring = sk.sdp.ring_of(sk.sdp.ownership(L, d, coverage))
+    if ring is not None and k < L:
+        arrays = len(fc_layers(cfg)) + 2 if f * t > 1 else 1  # array by array, or one packed buffer
+        n = ring.permutes() * ring.stride * block_dev * nbytes
+        b.add("collective-permute", "data", n, ring.permutes() * arrays, "holder averaging (ring)")
+    else:
+        b.add("all-reduce", "data", L * block_dev * nbytes, 1, "holder averaging (masked all-reduce)")
+    b.add("all-reduce", "data", shared_dev * nbytes, 1, "shared gradients over data")
+    if remat is None:
+        from models.gpt import REMAT_ALIASES
+
+        remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
+    worker = dataclasses.replace(cfg, num_layers=k) if dataclasses.is_dataclass(cfg) else cfg  # its k blocks
+    block_acts = activation_bytes(cfg, tokens, seq_len, 1, t, nbytes)
+    acts = gpt_remat_cost.saved_bytes(worker, remat, tokens, seq_len, 1, t, nbytes, block_acts)
+    acts += tokens * c["vocab_size"] / t * 4 * 2  # fp32 logits and their softmax
+    mem = {"params": nbytes * sub, "grads": nbytes * sub, "optimizer": (16 - 2 * nbytes) * sub, "activations": acts}
+    return b.comms(), {**mem, "total": sum(mem.values())}
 
 
 def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True) -> None:
@@ -321,6 +397,5 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
     b.add("all-reduce", "depth,col", (mats + 3) * nb, 2, "grad_norm: all leaves' sums of squares over (depth, col)")
 
 
-__all__ = ["MODELLED", "activation_bytes", "divisibility", "fc_layers", "formula", "gpt_extra_comms", "memory",
-           "moe_comms",
-           "moe_divisibility", "moe_memory", "num_params", "strategy_comms"]  # fmt: skip
+__all__ = ["MODELLED", "activation_bytes", "cached_comms", "divisibility", "fc_layers", "formula", "gpt_extra_comms",
+           "memory", "moe_comms", "moe_divisibility", "moe_memory", "num_params", "strategy_comms"]  # fmt: skip

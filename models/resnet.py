@@ -34,7 +34,9 @@ Every parameter is named through `nnx.with_partitioning`, as Flax writes names: 
 elsewhere, included: `("layers", None)`. Activations are pinned to `(batch, height, width, channels)` after every
 block (`sk.constrain`, a no-op outside a train step), so a strategy that shards `channels` (`tp_channels`) keeps
 them sharded between the blocks. BatchNorm's running statistics (`nnx.BatchStat`) and dropout's RNG counter are
-model state that `make_train_step` carries in `state.model_state`. Which mesh axes any of these names go to is
+model state that `make_train_step` carries in `state.model_state`; the layers are `sk.layers.BatchNorm` and
+`sk.layers.Dropout` (Flax's, with one dropout key per example), which hetero_dp's uneven splits keep equal to one
+device. Which mesh axes any of these names go to is
 the strategy's business: no mesh axis appears here.
 """
 
@@ -111,9 +113,9 @@ def _conv(cfg: ResNetConfig, c_in: int, c_out: int, kernel: int, stride: int, rn
     )  # fmt: skip
 
 
-def _norm(cfg: ResNetConfig, c: int, rngs: nnx.Rngs) -> nnx.BatchNorm:
+def _norm(cfg: ResNetConfig, c: int, rngs: nnx.Rngs) -> sk.layers.BatchNorm:
     """BatchNorm over (batch, height, width) per channel: batch statistics in training, running ones in eval."""
-    return nnx.BatchNorm(
+    return sk.layers.BatchNorm(
         c, momentum=cfg.bn_momentum, dtype=jnp.dtype(cfg.dtype),
         scale_init=_named(nnx.initializers.ones_init(), CHANNELS),
         bias_init=_named(nnx.initializers.zeros_init(), CHANNELS), rngs=rngs,
@@ -194,7 +196,7 @@ class ResNet(nnx.Module):
             stages.append(Stage(cfg, c_in, w, 2 if i > 0 else 1, n, rngs=rngs))
             c_in = w
         self.stages = nnx.List(stages)
-        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+        self.dropout = sk.layers.Dropout(cfg.dropout, rngs=rngs)  # one key per example
         self.head = nnx.Linear(
             c_in, cfg.num_classes, kernel_init=_named(nnx.initializers.lecun_normal(), CHANNELS, CLASSES),
             bias_init=_named(nnx.initializers.zeros_init(), CLASSES), rngs=rngs,

@@ -26,7 +26,10 @@ dynamic-slice (tests/test_structure.py); explicit `lax.psum_scatter` in shard_ma
 a reduce-scatter.
 
 A plan whose predicted memory (the hook's "total") is over `memory_fraction` of the device memory is rejected
-with the reason.
+with the reason. Each (strategy, mesh) is tried under the remat policies `plan(remat=...)` (set as the strategy's
+`remat` kernel): the fastest that fits is kept, ranked by comm time + its recompute time (`rank_key`, `RANKING`;
+the model's `recompute_flops(strategy, mesh, batch_shapes)` hook gives the FLOPs per device), so a plan that fits
+only with remat is ranked with its cost instead of dropped (Korthikanti et al. 2205.05198 §5).
 """
 
 from __future__ import annotations
@@ -72,6 +75,16 @@ class Plan:
     #: heterogeneous presets (meshes/*.toml with [[groups]]): predicted compute time per step, even vs balanced
     #: (attached by a plan hook: shardkit/parallel/hetero.py `plan_on_groups`); None on uniform hardware
     hetero: Any = None
+    #: the remat policy the memory is predicted under (the strategy's `remat` kernel slot), and the FLOPs per
+    #: device the backward re-runs under it, with their time at the preset's peak x `plan(efficiency=)`
+    remat: str = "none"
+    recompute_flops: float = 0.0
+    recompute_time_s: float = 0.0
+
+    @property
+    def step_time_s(self) -> float:
+        """The ranking's predicted time per step: communication (no overlap) + recompute (RANKING)."""
+        return self.comm_time_s + self.recompute_time_s
 
     @property
     def comm_bytes(self) -> float:
@@ -202,13 +215,13 @@ def _pow2(n: int) -> list[int]:
     return [2**i for i in range(n.bit_length()) if n % 2**i == 0]
 
 
-def candidates(devices: int, strategies: Sequence[str]) -> list[tuple[str, dict[str, int]]]:
+def candidates(devices: int, strategies: Sequence[Any]) -> list[tuple[Any, dict[str, int]]]:
     """Every power-of-two mesh of `devices` over the mesh axes each strategy's tables use, each of its required
     axes of size > 1 (`Strategy.required_axes`): dp -> data=8; fsdp -> data x fsdp (FSDP and hybrid FSDP);
     tp3d -> every (data, depth, row, col). Read from the registered strategy, never its name."""
     from shardkit.strategies import strategy  # strategies imports nothing from here
 
-    out: list[tuple[str, dict[str, int]]] = []
+    out: list[tuple[Any, dict[str, int]]] = []
     for name in strategies:
         s = strategy(name)  # a ShardkitError naming the registered ones if it is unknown
         axes = sorted(s.mesh_axes() | set(s.required_axes), key=_axis_order)
@@ -241,6 +254,18 @@ def register_plan_hook(fn: Callable[..., Plan]) -> Callable[..., Plan]:
     return fn
 
 
+#: How `plan` ranks, printed under `format_plans`' table.
+RANKING = ("ranked by: fits first, then predicted step time = comm ms + recompute ms, recompute ms = recompute "
+           "FLOPs / (peak x efficiency {eff:.0%}); ties: fewer recompute FLOPs")  # fmt: skip
+#: The remat policies `plan` tries per (strategy, mesh) by default (the `remat` kernel slot's names).
+REMAT_POLICIES = ("none", "dots", "dots_no_batch", "full")
+
+
+def rank_key(p: Plan) -> tuple[bool, float, float]:
+    """`plan`'s sort key: (does not fit, step_time_s, recompute_flops): fitting plans first, fastest first."""
+    return (not p.fits, p.step_time_s, p.recompute_flops)
+
+
 def plan(
     model_cfg: Any,
     devices: int,
@@ -248,14 +273,23 @@ def plan(
     global_batch: int,
     seq_len: int | None = None,
     *,
-    strategies: Sequence[str] = ("dp", "fsdp", "tp", "tp_sp", "tp3d"),
+    strategies: Sequence[Any] = ("dp", "fsdp", "tp", "tp_sp", "tp3d"),
     variant: str = "alpha-beta",
     backend: str | None = None,
     nbytes: int = 2,
     memory_fraction: float = 0.9,
     include_rejected: bool = False,
+    remat: Sequence[str] | None = REMAT_POLICIES,
+    efficiency: float = 0.5,
 ) -> list[Plan]:
-    """Ranks every power-of-two plan by predicted communication time per step (fitting plans first).
+    """Ranks every power-of-two (strategy, mesh, remat policy) plan by predicted step time (fitting plans first).
+
+    `remat`: the policies tried for each (strategy, mesh), set as the strategy's `remat` kernel; the plan kept
+    is the fastest that fits (`rank_key`: comm time + recompute FLOPs / (the preset's peak x `efficiency`)),
+    else the one that needs the least memory, rejected. A plan that fits only with remat is so ranked with its
+    recompute cost instead of dropped. The model's `recompute_flops(strategy, mesh, batch_shapes)` hook gives
+    the FLOPs; a model without it is planned with "none" only. `remat=None`: the old behaviour, the strategy's
+    own slot (or the model's) decides and nothing is recomputed in the ranking.
 
     `model_cfg` brings the model's terms (`cost_model`, `indivisible`; module docstring). Plans with indivisible
     shapes are dropped; plans over `memory_fraction` of HBM are rejected (kept, last, with the reason, when
@@ -274,37 +308,75 @@ def plan(
         raise ShardkitError(f"plan: devices={devices} must be a power of two")
     if variant not in ("alpha-beta", "axonn"):
         raise ShardkitError(f"plan: variant={variant!r}; choose 'alpha-beta' or 'axonn'")
+    if not 0 < efficiency <= 1:
+        raise ShardkitError(f"plan: efficiency={efficiency} must be in (0, 1] (the fraction of peak recompute runs at)")
     hw = load_preset(hardware) if isinstance(hardware, str) else hardware
     backend = backend or hw.platform
-    plans = []
+    recompute = getattr(model_cfg, "recompute_flops", None)
+    policies: Sequence[str | None] = [None] if remat is None else (list(remat) if recompute else ["none"])
+    if not policies:
+        raise ShardkitError("plan: remat=() tries no policy; give e.g. ('none', 'dots', 'full') or None")
+    from shardkit.strategies import strategy as named
+
+    plans, variants = [], {}
     for s, mesh in candidates(devices, strategies):
         if indivisible(s, mesh, global_batch):
             continue
         shapes = {"inputs": (global_batch, seq_len)} if seq_len else {"batch": (global_batch,)}
-        terms = hook(s, mesh, shapes, nbytes, backend)
-        if terms is None:
-            raise ShardkitError(f"plan: the model's cost model does not cover strategy {s!r}; leave it out")
-        comms, mem, _ = terms
-        cap = memory_fraction * hw.hbm_bytes
-        reason = "" if mem["total"] <= cap else f"needs {mem['total'] / 2**30:.1f} GiB > {cap / 2**30:.1f} GiB usable"
-        plans.append(Plan(s, mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason))
+        options = []
+        for policy in policies:
+            key = (s if isinstance(s, str) else id(s), policy)  # a Strategy object (its tables) is unhashable
+            if policy is not None and key not in variants:
+                variants[key] = named(s).replace(kernels={"remat": policy})
+            strat = s if policy is None else variants[key]
+            terms = hook(strat, mesh, shapes, nbytes, backend)
+            if terms is None:
+                raise ShardkitError(f"plan: the model's cost model does not cover strategy {s!r}; leave it out")
+            comms, mem, _ = terms
+            flops = recompute(strat, mesh, shapes) if recompute and policy not in (None, "none") else 0.0
+            cap = memory_fraction * hw.hbm_bytes
+            over = f"needs {mem['total'] / 2**30:.1f} GiB > {cap / 2**30:.1f} GiB usable"
+            reason = "" if mem["total"] <= cap else over
+            rt = flops / (hw.peak_flops * efficiency) if hw.peak_flops else 0.0
+            options.append(Plan(_label(s), mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason,
+                                remat=policy or "none", recompute_flops=flops, recompute_time_s=rt))  # fmt: skip
+            if policy == "none" and not reason:  # fits recomputing nothing: no other policy can rank above it
+                break
+        fitting = [p for p in options if p.fits]
+        best = min(fitting, key=rank_key) if fitting else min(options, key=lambda p: p.memory["total"])
+        if not fitting and best.remat != "none":  # (a model whose memory ignores the policy: "none", said plainly)
+            best = dataclasses.replace(best, reason=best.reason + f" even with remat {best.remat}")
+        plans.append(best)
     for refine in PLAN_HOOKS:
         plans = [refine(p, model_cfg, hw, global_batch, seq_len, memory_fraction) for p in plans]
-    plans.sort(key=lambda p: (not p.fits, p.comm_time_s))
+    plans.sort(key=rank_key)
     return plans if include_rejected else [p for p in plans if p.fits]
 
 
-def format_plans(plans: Sequence[Plan]) -> str:
-    """A plain-text table of ranked plans."""
-    head = f"{'#':>3} {'strategy':<8} {'mesh':<34} {'comm ms':>9} {'GiB sent':>9} {'mem GiB':>8}  note"
+def _label(s: Any) -> str:
+    """A plan's strategy column: the name, or for a Strategy object its options' `tag` (e.g. a coverage)."""
+    if isinstance(s, str):
+        return s
+    return str(getattr(s.options, "tag", None) or s.name)
+
+
+def format_plans(plans: Sequence[Plan], efficiency: float | None = None) -> str:
+    """A plain-text table of ranked plans: remat policy, recompute TFLOP per device and ms, comm ms, step ms
+    (the ranking's key); with `efficiency` (what `plan` was given), the RANKING line under it."""
+    head = (f"{'#':>3} {'strategy':<8} {'mesh':<30} {'remat':<13} {'recomp TF':>9} {'recomp ms':>9} "
+            f"{'comm ms':>9} {'step ms':>9} {'GiB sent':>9} {'mem GiB':>8}  note")  # fmt: skip
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
         lines.append(
-            f"{i:>3} {p.strategy:<8} {p.grid:<34} {p.comm_time_s * 1e3:>9.2f} {p.comm_bytes / 2**30:>9.3f} "
-            f"{p.memory['total'] / 2**30:>8.2f}  {p.reason}".rstrip()
+            f"{i:>3} {p.strategy:<8} {p.grid:<30} {p.remat:<13} {p.recompute_flops / 1e12:>9.2f} "
+            f"{p.recompute_time_s * 1e3:>9.2f} {p.comm_time_s * 1e3:>9.2f} {p.step_time_s * 1e3:>9.2f} "
+            f"{p.comm_bytes / 2**30:>9.3f} {p.memory['total'] / 2**30:>8.2f}  {p.reason}".rstrip()
         )
+    if efficiency is not None:
+        lines.append(RANKING.format(eff=efficiency))
     return "\n".join(lines)
 
 
-__all__ = ["PLAN_HOOKS", "Comm", "CommBuilder", "Plan", "candidates", "comm_time", "format_plans", "merge_comms",
-           "plan", "register_plan_hook", "ring_factor", "tp3d_layer_comms"]  # fmt: skip
+__all__ = ["PLAN_HOOKS", "RANKING", "REMAT_POLICIES", "Comm", "CommBuilder", "Plan", "candidates", "comm_time",
+           "format_plans", "merge_comms", "plan", "rank_key", "register_plan_hook", "ring_factor",
+           "tp3d_layer_comms"]  # fmt: skip

@@ -24,6 +24,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardkit import kernels, offload
+from shardkit.batch_layers import (  # noqa: F401  (sk.layers.BatchNorm, ...: layers that read which rows a call sees)
+    BatchNorm,
+    Dropout,
+    LocalBatch,
+    current_local_batch,
+    lane_sum,
+    local_batch,
+    norm_groups,
+)
 from shardkit.errors import ShardkitError
 from shardkit.rules import current_context
 
@@ -332,9 +341,3 @@ def _data_groups(batch: int, context: Any, name: str = "group") -> int:
 
 kernels.register("norm", "global", _global_groups, description="BatchNorm statistics over the global batch")
 kernels.register("norm", "group", _data_groups, description="BatchNorm statistics per data-parallel group")
-
-
-def norm_groups(batch: int) -> int:
-    """How many equal groups of the batch (in order) get their own BatchNorm statistics under the active strategy."""
-    kernel, name, ctx = kernels.active("norm")
-    return kernel.fn(batch, ctx, name)

@@ -78,6 +78,7 @@ class HardwarePreset:
     links: dict[str, Link]  # "ici" / "dcn" -> Link
     sources: dict[str, str]
     groups: tuple[DeviceGroup, ...] = ()  # heterogeneous clusters: device kinds in device order; () = uniform
+    hbm_bandwidth: float = 0.0  # bytes/s of device memory (the roofline's second roof); 0 = not given
 
     @property
     def heterogeneous(self) -> bool:
@@ -147,6 +148,7 @@ def _preset_from_dict(name: str, raw: dict[str, Any]) -> HardwarePreset:
         dcn=dict(mesh.get("dcn", {})),
         links=links,
         sources=dict(raw.get("sources", {})),
+        hbm_bandwidth=float(raw.get("hbm_bandwidth", 0.0)),
         groups=tuple(
             DeviceGroup(str(g["name"]), int(g["count"]), float(g["relative_speed"]), float(g["hbm_bytes"]))
             for g in raw.get("groups", [])

@@ -198,4 +198,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if len(names) != x.ndim:
         raise ShardkitError(f"constrain: {len(names)} logical names {tuple(names)} for an array of shape {x.shape}")
     sharding = named_sharding(names, ctx.rules, ctx.mesh, x.shape, what=f"activation {tuple(names)}")
+    if _all_manual(ctx.mesh):  # inside a shard_map manual over every axis (and maybe a vmap): nothing to pin
+        return x
     return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _all_manual(mesh: Any) -> bool:
+    types = getattr(mesh, "axis_types", ())
+    return bool(types) and all(t == jax.sharding.AxisType.Manual for t in types)

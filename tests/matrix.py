@@ -227,7 +227,6 @@ _refuse(
     r"which ones depends on their order in the sequence",
 )
 _refuse("sdp", "guide resnet cosmoflow unet3d", "no `layers` stack", r"no parameter has the logical name 'layers'")
-_refuse("hetero_dp", "resnet cosmoflow unet3d", "model state (BatchNorm)", r"hetero_dp does not carry model state")
 
 
 @pytest.fixture(scope="module")

@@ -155,6 +155,9 @@ def test_bad_values_stop_before_compiling(tmp: Path, monkeypatch: pytest.MonkeyP
         "batch 16 is not divisible by 32": {"microbatches": 4},
         "('heads' = 4) is not divisible by mesh axes ('tensor',) of size 8": {"strategy": "tp", "mesh": "tensor=8"},
         "seq_len=64 > model.max_seq_len=32": {"seq_len": 64, "model.max_seq_len": 32},
+        "strategy=auto chooses the remat policy": {"strategy": "auto", "kernels": "remat=full"},
+        "auto.remat='nope': give remat policies": {"strategy": "auto", "auto.remat": "nope"},
+        "auto.top=0 must be >= 1": {"strategy": "auto", "auto.top": 0},
     }
     for message, overrides in cases.items():
         with pytest.raises(sk.ShardkitError, match=re.escape(message)):
@@ -168,6 +171,23 @@ def test_a_strategy_without_a_mesh_gets_one_it_fits(tmp: Path) -> None:
     for name in sk.STRATEGIES:  # every strategy binds to its default mesh on 8 devices
         strategy = sk.strategy(name)
         strategy.bind(sk.make_mesh(strategy.default_mesh(8)))
+
+
+def test_strategy_auto_picks_compiles_and_trains(tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    """--config.strategy=auto: the planner's top 2 compiled, the lowest estimate that fits trained 2 steps, as typed."""
+    over = {"strategy": "auto", "steps": 2, "eval_every": 0, "ckpt_every": 0, "eval_batches": 1, "auto.top": 2}
+    summary = tr.train(make_config(tmp, "", **over))
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if re.match(r"^ \d (\w+) +\S+ +(none|dots|dots_no_batch|full) ", ln)]
+    assert len(rows) == 2 and "auto: " in out and "auto chose" in out, out
+    chosen = summary["auto"]
+    ests = {tuple(ln.split()[1:3]): float(ln.split()[8]) for ln in rows}  # (strategy, mesh) -> est ms; all fit
+    assert ests[chosen["strategy"], chosen["mesh"]] == min(ests.values())
+    assert Path(summary["run_dir"]).name == "gpt_tiny-auto" and summary["step"] == 2
+    assert all(np.isfinite(summary["losses"]))
+    saved = json.loads((Path(summary["run_dir"]) / "config.json").read_text())  # the run the user would have typed
+    assert (saved["strategy"], saved["mesh"]) == (chosen["strategy"], chosen["mesh"])
+    assert saved["info"]["where"].startswith(f"{chosen['strategy']} on mesh {chosen['mesh']}")
 
 
 @pytest.mark.parametrize("name", ["gpt_tiny", "gpt_small", "gpt_350m", "gpt_1b", "gpt_7b"])

@@ -176,3 +176,32 @@ def test_scoped_split_head_equals_one_device_and_splits_the_classifier():
     _, g_split, g_losses = _train(gpt, mesh, "dp_split_head", tokens)
     np.testing.assert_allclose(g_losses, g_one_losses, rtol=1e-5)
     assert g_split.params["head"].addressable_shards[0].data.shape == (CFG.d_model, CFG.vocab_size // 8)
+
+
+def test_a_preset_implies_the_stage_speeds_and_the_pipeline_cut(tmp_path):
+    """hetero_v100_p100 = 4 V100 (1.0) then 4 P100 (0.59). On stage=2,data=4 stage 0 is the V100s: 8 equal layers
+    cut 5 + 3 (slowest stage max(5 / 1, 3 / 0.59) = 5.08; 4 + 4 gives 4 / 0.59 = 6.78, 6 + 2 gives 6). On
+    data=4,stage=2 each stage mixes both kinds, runs at 0.59, and the cut is even. The CLI resolves
+    pipeline.stage_layers=hetero to that cut (built, not trained here; test_pipeline.py trains uneven cuts)."""
+    speeds = sk.load_preset("hetero_v100_p100").device_speeds()
+    assert sk.hetero.stage_speeds(speeds, {"stage": 2, "data": 4}) == [1.0, 0.59]
+    assert sk.hetero.stage_speeds(speeds, {"data": 4, "stage": 2}) == [0.59, 0.59]
+    assert sk.hetero.stage_speeds(speeds, {"stage": 4, "data": 2}) == [1.0, 1.0, 0.59, 0.59]
+    plan = sk.hetero.hetero_stage_plan(speeds, {"stage": 2, "data": 4}, 8)
+    assert plan.counts == (5, 3) and plan.step_time == pytest.approx(3 / 0.59)
+    assert sk.hetero.plan_of((4, 4), [1.0, 0.59]).step_time == pytest.approx(4 / 0.59)
+    assert sk.hetero.hetero_stage_plan(speeds, {"data": 4, "stage": 2}, 8).counts == (4, 4)
+    with pytest.raises(sk.ShardkitError, match="has no 'stage' axis"):
+        sk.hetero.stage_speeds(speeds, {"data": 8})
+
+    from test_experiments import make_config
+
+    from experiments import train as tr
+
+    het = {"strategy": "pp_dp", "mesh": "stage=2,data=4", "model.num_layers": 8, "pipeline.schedule": "1f1b",
+           "pipeline.stage_layers": "hetero"}  # fmt: skip
+    run = tr.build(make_config(tmp_path, "cut", hardware="hetero_v100_p100", **het))
+    assert run.step.strategy.kernels["layers"] == "pipeline:1f1b:4@5,3"
+    assert "stage layers 5,3 (hetero: min-max cut over hetero_v100_p100" in run.step.strategy.description
+    with pytest.raises(sk.ShardkitError, match="'cpu8' has no \\[\\[groups\\]\\]"):
+        tr.build(make_config(tmp_path, "cut2", **het))

@@ -360,6 +360,7 @@ def test_every_closed_set_config_field_is_checked_up_front_even_where_unused():
 
     runtime.check_choices(base.get_config())  # the defaults hold
     for field, value, message in [("pipeline.schedule", "zz", "choose one of gpipe, 1f1b, circular"),
+                                  ("pipeline.stage_layers", "3,x", "give the layers of each stage as whole"),
                                   ("hetero.mode", "lop", "choose one of loop, pad"),
                                   ("sdp.reduce", "x", "choose one of auto, ring, psum"),
                                   ("model.remat", "some", "choose one of none, full, dots"),

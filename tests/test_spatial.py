@@ -328,9 +328,10 @@ def test_per_group_batchnorm_equals_its_one_device_form(references: dict) -> Non
 
 
 def test_explain_adds_the_halo_kernels_reported_permutes_for_a_model_without_a_cost_hook() -> None:
-    """The U-Net has no cost hook: explain predicts from the rules tables, plus the permutes the halo kernels
-    report while traced (sk.kernels.recording), which equal the compiled ones; also when the step was lowered
-    before (jax's trace cache runs no Python then: the step kept the reports of its first trace)."""
+    """Without a cost hook (model_cfg without one; the U-Net's own is models/unet3d_cost.py) explain predicts from
+    the rules tables, plus the permutes the halo kernels report while traced (sk.kernels.recording), which equal
+    the compiled ones; also when the step was lowered before (jax's trace cache runs no Python then: the step kept
+    the reports of its first trace). The U-Net's hook predicts the same permutes."""
     mesh = sk.make_mesh("data=2,space=4")
     step = sk.make_train_step(sk.abstract_model(lambda r: UNet3D(UNet3DConfig(widths=(4, 8)), rngs=r)),
                               optax.sgd(0.1), mesh, "spatial_dp_halo")  # fmt: skip
@@ -339,12 +340,13 @@ def test_explain_adds_the_halo_kernels_reported_permutes_for_a_model_without_a_c
     with spatial.recording() as layers:
         step.lower(step.abstract_state(), batch)
     assert len(layers) == 9  # every halo conv / pool of the net traced once
-    report = sk.explain(step, step.abstract_state(), batch)
-    (row,) = [r for r in report.rows() if r["kind"] == "collective-permute"]
-    assert row["axes"] == ["space"] and row["count"] == row["predicted_count"]
-    assert row["bytes_sent"] == row["predicted_bytes"]
-    source = "9 kernel calls' own collectives, as traced (shardkit.parallel.spatial.halo_bytes)"
-    assert source in report.prediction_source
+    traced = "9 kernel calls' own collectives, as traced (shardkit.parallel.spatial.halo_bytes)"
+    for hook, source in ((object(), traced), (None, "models/unet3d_cost.py (spatial: explicit halo exchange")):
+        report = sk.explain(step, step.abstract_state(), batch, model_cfg=hook)
+        (row,) = [r for r in report.rows() if r["kind"] == "collective-permute"]
+        assert row["axes"] == ["space"] and row["count"] == row["predicted_count"]
+        assert row["bytes_sent"] == row["predicted_bytes"]
+        assert source in report.prediction_source
 
 
 def test_cost_model_predicts_the_compiled_halos_and_plans_spatial_splits() -> None:

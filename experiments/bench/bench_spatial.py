@@ -12,7 +12,11 @@
    reduces, step time, next to the same step on one device and under plain `dp` on data=8; the halo share of
    the bytes; and the halo bytes the kernels predict at trace time (`sk.spatial.recording`) vs the compiled ones.
    The 8 virtual devices share this host's cores, so times measure total work and overhead, not speed-up.
-3. planning: `sk.plan` ranks data x spatial splits of CosmoFlow at 512^3 (experiments/configs/cosmoflow_512.py)
+3. the activation memory models (models/cosmoflow_cost.py, models/unet3d_cost.py) against the compiled train
+   step's temporaries per device, for cosmoflow_tiny (32^3, batch 16) and unet3d_tiny (24^3, batch 8) under `dp`
+   on one device and `spatial_halo` at spatial degree S = 2 (depth), 4 (depth x height), 8 (x width): predicted /
+   compiled, and the share only XLA:CPU allocates (`xla_cpu`: its max-pool gradient expansion, halo pads).
+4. planning: `sk.plan` ranks data x spatial splits of CosmoFlow at 512^3 (experiments/configs/cosmoflow_512.py)
    on the `lassen` preset (2048 V100 16 GB, the class of machine of Oyama et al.) by predicted communication time,
    within memory (models/cosmoflow_cost.py), next to data parallelism alone.
 """
@@ -35,6 +39,7 @@ import optax
 import shardkit as sk
 from experiments.bench.timing import RESULTS, save_json, time_calls
 from models.cosmoflow import CosmoFlow, CosmoFlowConfig
+from models.unet3d import UNet3D, UNet3DConfig
 from shardkit import hlo
 
 TRUNK = (8, 16, 16)  # output channels of the 3 conv blocks of the memory benchmark (input: 1 channel)
@@ -81,6 +86,41 @@ def memory_table(sizes: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+UNET = UNet3DConfig(widths=(8, 16, 32), num_classes=3)
+#: spatial degree -> (strategy, mesh) of the memory model table
+DEGREES = {1: ("dp", "data=1"), 2: ("spatial_halo", "space=2"), 4: ("spatial_halo", "space=2,space_h=2"),
+           8: ("spatial_halo", "space=2,space_h=2,space_w=2")}  # fmt: skip
+
+
+def memory_model_rows() -> list[dict[str, Any]]:
+    """Predicted activations (backend "cpu") / compiled temporaries per model and spatial degree (abstract state:
+    compiled, never run)."""
+    models = {
+        "cosmoflow_tiny": (COSMO, lambda r: CosmoFlow(COSMO, rngs=r), {"volume": ((BATCH, 32, 32, 32, 1), jnp.float32),
+                           "target": ((BATCH, 4), jnp.float32)}),
+        "unet3d_tiny": (UNET, lambda r: UNet3D(UNET, rngs=r), {"volume": ((8, 24, 24, 24, 1), jnp.float32),
+                        "label": ((8, 24, 24, 24), jnp.int32)}),
+    }  # fmt: skip
+    rows = []
+    for name, (cfg, make, shapes) in models.items():
+        for degree, (strategy, spec) in DEGREES.items():
+            mesh = sk.make_mesh(spec, jax.devices()[:degree])
+            step = sk.make_train_step(sk.abstract_model(make), optax.sgd(0.01), mesh, strategy)
+            batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
+            temp = int(step.lower(step.abstract_state(), batch).compile().memory_analysis().temp_size_in_bytes)
+            _, mem, _ = cfg.cost_model(strategy, dict(mesh.shape), {k: v[0] for k, v in shapes.items()}, 4, "cpu")
+            _, gpu, _ = cfg.cost_model(strategy, dict(mesh.shape), {k: v[0] for k, v in shapes.items()}, 4, "gpu")
+            rows.append(dict(model=name, degree=degree, strategy=strategy, mesh=spec, temp_bytes=temp,
+                             predicted_bytes=mem["activations"], ratio=mem["activations"] / temp,
+                             xla_cpu_share=mem["xla_cpu"] / mem["activations"],
+                             gpu_estimate_bytes=gpu["activations"]))  # fmt: skip
+            r = rows[-1]
+            print(f"  {name:<15} S={degree}  {strategy:<13} {spec:<28} compiled {temp / 2**20:8.2f} MiB  predicted "
+                  f"{r['predicted_bytes'] / 2**20:8.2f} MiB  ratio {r['ratio']:.3f}  XLA:CPU-only "
+                  f"{r['xla_cpu_share']:4.0%}  (GPU estimate {r['gpu_estimate_bytes'] / 2**20:.2f} MiB)")  # fmt: skip
+    return rows
+
+
 def step_row(spec: str, strategy: str, reps: int, batch: dict[str, np.ndarray]) -> dict[str, Any]:
     n = np.prod([int(a.split("=")[1]) for a in spec.split(",")])
     mesh = sk.make_mesh(spec, jax.devices()[:n])
@@ -110,15 +150,7 @@ def step_row(spec: str, strategy: str, reps: int, batch: dict[str, np.ndarray]) 
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=f"{RESULTS}/bench_spatial.json")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--sizes", default="32,64,128", help="cube sizes of the memory table")
-    parser.add_argument("--budget_gib", type=float, default=16.0, help="per-device memory budget (V100: 16 GiB)")
-    parser.add_argument("--plan_batch", type=int, default=256, help="global batch of the 512^3 plan")
-    args = parser.parse_args()
-
+def trunk_section(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, int]]:
     print("1. per-device temporaries of a 3-block conv trunk (fwd + bwd), depth split over space=S:")
     mem = memory_table([int(s) for s in args.sizes.split(",")])
     biggest = max(r["size"] for r in mem)
@@ -129,6 +161,10 @@ def main() -> None:
     print(f"  largest cube within {args.budget_gib:g} GiB per device (this trunk, batch 1): "
           + ", ".join(f"S={d}: {s}^3" for d, s in fits.items()))  # fmt: skip
 
+    return mem, fits
+
+
+def step_section(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"\n2. CosmoFlow train step, 32^3, batch {BATCH} (BatchNorm, 3 spatial blocks):")
     rng = np.random.default_rng(0)
     batch = {"volume": rng.normal(size=(BATCH, 32, 32, 32, 1)).astype(np.float32),
@@ -150,12 +186,19 @@ def main() -> None:
     print(f"\nexplicit / GSPMD: halo bytes {halo['permute_bytes'] / gspmd['permute_bytes']:.3f}, permutes "
           f"{halo['permute_count']} vs {gspmd['permute_count']}, all-reduces {halo['all_reduce_count']} vs "
           f"{gspmd['all_reduce_count']}, step time {halo['step_s'] / gspmd['step_s']:.3f}")  # fmt: skip
-    print(f"activations estimated by models/cosmoflow_cost.py: {halo['estimated_activation_bytes'] / 2**20:.2f} MiB "
-          f"per device; compiled temporaries {halo['temp_bytes'] / 2**20:.2f} MiB")  # fmt: skip
+    print(
+        f"activations predicted by models/cosmoflow_cost.py (backend cpu): "
+        f"{halo['estimated_activation_bytes'] / 2**20:.2f} MiB per device; compiled temporaries "
+        f"{halo['temp_bytes'] / 2**20:.2f} MiB ({halo['estimated_activation_bytes'] / halo['temp_bytes']:.3f})"
+    )
     print(f"explicit, predicted at trace time / compiled halo bytes: "
           f"{halo['predicted_permute_bytes'] / halo['permute_bytes']:.4f}")  # fmt: skip
 
-    print(f"\n3. sk.plan: CosmoFlow 512^3 x 4 channels on lassen (2048 x V100 16 GB), global batch {args.plan_batch}, "
+    return rows
+
+
+def plan_section(args: argparse.Namespace) -> list[dict[str, Any]]:
+    print(f"\n4. sk.plan: CosmoFlow 512^3 x 4 channels on lassen (2048 x V100 16 GB), global batch {args.plan_batch}, "
           "bf16:")  # fmt: skip
     big = CosmoFlowConfig(size=512, in_channels=4, widths=(16, 32, 64, 128, 256, 256, 256), dense=(128, 64),
                           spatial_blocks=5)  # fmt: skip
@@ -173,9 +216,31 @@ def main() -> None:
     plan_rows = [dict(strategy=p.strategy, mesh=p.mesh, comm_ms=p.comm_time_s * 1e3, fits=p.fits, reason=p.reason,
                       memory_gib=p.memory["total"] / 2**30) for p in plans[:20]]  # fmt: skip
 
+    return plan_rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=f"{RESULTS}/bench_spatial.json")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--sizes", default="32,64,128", help="cube sizes of the memory table")
+    parser.add_argument("--budget_gib", type=float, default=16.0, help="per-device memory budget (V100: 16 GiB)")
+    parser.add_argument("--plan_batch", type=int, default=256, help="global batch of the 512^3 plan")
+    parser.add_argument("--sections", default="1,2,3,4", help="which of the sections above to run")
+    args = parser.parse_args()
+    run = {int(x) for x in args.sections.split(",")}
+
+    mem, fits = trunk_section(args) if 1 in run else ([], {})
+    rows = step_section(args) if 2 in run else []
+    if 3 in run:
+        print("\n3. activation memory: models/*_cost.py (backend cpu) vs compiled temporaries per device:")
+    model_rows = memory_model_rows() if 3 in run else []
+    plan_rows = plan_section(args) if 4 in run else []
+
     setup = dict(devices=jax.device_count(), backend=jax.default_backend(), jax=jax.__version__, trunk=TRUNK,
                  cosmoflow=str(COSMO), batch=BATCH, reps=args.reps, budget_gib=args.budget_gib)  # fmt: skip
-    report = {"setup": setup, "memory": mem, "fits": fits, "steps": rows, "plans": plan_rows}
+    report = {"setup": setup, "memory": mem, "fits": fits, "steps": rows, "memory_model": model_rows,
+              "plans": plan_rows}  # fmt: skip
     save_json(report, args.out, indent=2)
 
 

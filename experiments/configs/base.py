@@ -19,6 +19,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = "auto"  # "auto": a mesh the strategy fits (fsdp: data=2,fsdp=4 on 8 devices; printed); "axis=degree,..."
     #                  (one degree may be -1), a preset name, or "" = the preset's mesh
     c.strategy = "fsdp"  # dp | zero1 | fsdp | tp | tp_sp | fsdp_tp | dp_fsdp_tp | pp* | sdp (shardkit/strategies.py)
+    #                    | auto: the planner picks strategy, mesh and remat policy, compiles its top candidates and
+    #                      trains the fastest that fits (experiments/auto.py; run dir <config_name>-auto)
+    c.auto = ml_collections.ConfigDict()  # strategy=auto only
+    c.auto.top = 3  # candidates compiled (in the planner's order); the lowest compiled estimate that fits trains
+    c.auto.memory_fraction = 0.9  # of the preset's hbm_bytes (cpu8: a nominal 3.0 GB per virtual device)
+    c.auto.remat = "none,dots,dots_no_batch,full"  # remat policies the planner tries per plan (sk.plan(remat=))
+    c.auto.efficiency = 0.5  # fraction of peak the planner assumes recompute runs at (its ranking, not the pick)
     c.strict_names = False  # True: refuse parameters with fewer logical names than dimensions, or none (default:
     #                          Flax's meaning, the rest replicated; docs/flax_models.md)
     c.kernels = ""  # kernel slots over the strategy's: "slot=name,..." e.g. "norm=group" (per-group BatchNorm),
@@ -26,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.offload = ""  # "", "opt_state", "params", "opt_state,params": rests in host memory between steps, brought to
     #                 the devices by the step (ZeRO-Offload; GSPMD strategies; shardkit/offload.py, docs/memory.md)
     c.sdp = ml_collections.ConfigDict()  # strategy=sdp only: subnetwork data parallelism (shardkit/parallel/sdp.py)
+    # (its workers are the `data` coordinates; fsdp / tensor in the mesh split each worker: --config.mesh=data=4,fsdp=2)
     c.sdp.granularity = "block"  # block (whole layers of a stack) | neuron (groups of hidden units, `units`)
     c.sdp.coverage = 0.5  # fraction of the blocks (or unit groups) each worker holds; a multiple of 1/blocks
     c.sdp.masking = "forward"  # forward (subnetwork alone; memory = coverage) | backward (full forward, masked grads)
@@ -41,11 +49,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.hetero.microbatch_bytes = 0.0  # memory one micro-batch needs, for per-device caps; 0 = uncapped
     c.hetero.balance = True  # False: the even split, to compare
     c.hetero.mode = "loop"  # loop (per-device trip counts) | pad (every device max(counts), padding masked)
+    # A model with BatchNorm runs every device's max(counts) slots in one pass (statistics over the global batch,
+    # as one device); --config.kernels=norm=group keeps the loops, with per-micro-batch statistics (docs/hetero.md)
     c.microbatches = 1  # gradient accumulation: batch_size is split into this many sequential microbatches
     c.pipeline = ml_collections.ConfigDict()  # pp* strategies only (shardkit/pipeline.py); not accumulation
     c.pipeline.schedule = "gpipe"  # gpipe | 1f1b | circular
     c.pipeline.microbatches = 4  # pipeline microbatches per step (1f1b and circular need >= the stage count)
     c.pipeline.virtual_stages = 0  # layer chunks per stage device (circular only); 0 = 2 for circular, else 1
+    c.pipeline.stage_layers = ""  # layers per stage (gpipe, 1f1b): "" = even (num_layers / stages); "3,5" = stage 0
+    #                               holds 3, stage 1 holds 5 (one count >= 1 per stage, summing to num_layers);
+    #                               "hetero" = the min-max cut over the stages' device speeds from the hardware
+    #                               preset's [[groups]] (e.g. hardware=hetero_v100_p100, mesh=stage=2,data=4: stage 0
+    #                               on the V100s gets 5 of 8 layers). The cut is printed with the strategy.
     c.cpu_devices = 8  # virtual CPU devices (XLA_FLAGS) when running on CPU; ignored on accelerators
     c.distributed = False  # multi-process: call jax.distributed.initialize() (also if JAX_COORDINATOR_ADDRESS is set)
 

@@ -1,7 +1,8 @@
 """The explicit parallelisms, one module each (each cites its paper); the GSPMD ones are rules tables.
 
-    pipeline    GPipe / 1F1B / circular schedules over the `stage` axis (Huang et al.; Narayanan et al.) and the
-                pp* strategies
+    pipeline    GPipe / 1F1B / circular schedules over the `stage` axis (Huang et al.; Narayanan et al.), even or
+                uneven stages (Whale), and the pp* strategies; the schedule tables and kernel names:
+                pipeline_schedule
     tensor3d    AxoNN's 3D tensor-parallel linear (Singh et al., 2305.13525)
     spatial     halo-exchange conv / pool for samples split over depth, height, width (Oyama et al., 2007.12856),
                 with the conv / pool slot kernels and the spatial* strategies

@@ -128,6 +128,11 @@ class StagePlan:
     def layers(self, stage: int) -> range:
         return range(self.bounds[stage], self.bounds[stage + 1])
 
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Layers per stage: what `pipeline.stage_layers` / the kernel name's "@3,5" takes."""
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False))
+
 
 def partition_stages(
     layer_costs: Sequence[float], stage_speeds: Sequence[float], layer_memory: Sequence[float] | None = None,
@@ -172,6 +177,46 @@ def partition_stages(
     bounds = tuple(reversed(bounds))
     times = tuple(float(prefix[bounds[s + 1]] - prefix[bounds[s]]) / speeds[s] for s in range(n_stages))
     return StagePlan(bounds, times, max(times))
+
+
+def plan_of(
+    counts: Sequence[int], stage_speeds: Sequence[float], layer_costs: Sequence[float] | None = None
+) -> StagePlan:
+    """A given cut (layers per stage) as a StagePlan: its stage times and slowest stage (equal layers by default).
+    Simulated: sum of the stage's layer costs / its speed."""
+    counts, speeds = [int(n) for n in counts], _positive("stage_speeds", stage_speeds, len(counts))
+    costs = [1.0] * sum(counts) if layer_costs is None else [float(c) for c in layer_costs]
+    bounds = tuple(int(b) for b in np.cumsum([0, *counts]))
+    times = tuple(sum(costs[bounds[s] : bounds[s + 1]]) / speeds[s] for s in range(len(counts)))
+    return StagePlan(bounds, times, max(times))
+
+
+def stage_speeds(device_speeds: Sequence[float], mesh_axes: dict[str, int], axis: str = "stage") -> list[float]:
+    """Per pipeline stage, the speed of its slowest device (a stage runs at the pace of its slowest member).
+
+    Devices are taken in the preset's [[groups]] order (= jax.devices() order) and laid out row-major over
+    `mesh_axes`, as `sk.make_mesh` lays them: stage s holds the devices at index s of `axis`. hetero_v100_p100
+    (4 V100 then 4 P100) on stage=2,data=4: stage 0 the V100s (1.0), stage 1 the P100s (0.59); on data=4,stage=2
+    every stage mixes both kinds: [0.59, 0.59]."""
+    shape = tuple(int(n) for n in mesh_axes.values())
+    speeds = _positive("device speeds", device_speeds)
+    if axis not in mesh_axes:
+        raise ShardkitError(f"mesh {dict(mesh_axes)} has no {axis!r} axis: a pipeline cut needs one stage per index")
+    if math.prod(shape) != len(speeds):
+        raise ShardkitError(
+            f"{len(speeds)} device speeds for a mesh {dict(mesh_axes)} of {math.prod(shape)} devices: the preset "
+            "must describe the mesh's devices (one [[groups]] entry per kind, counts summing to the mesh size)"
+        )
+    grid = np.moveaxis(np.asarray(speeds).reshape(shape), list(mesh_axes).index(axis), 0)
+    return [float(v) for v in grid.reshape(shape[list(mesh_axes).index(axis)], -1).min(axis=1)]
+
+
+def hetero_stage_plan(
+    device_speeds: Sequence[float], mesh_axes: dict[str, int], num_layers: int, axis: str = "stage"
+) -> StagePlan:
+    """The min-max cut of `num_layers` equal layers (a GPT's identical blocks) over the stages of `mesh_axes`,
+    each stage as fast as `stage_speeds` says: `partition_stages` on what the devices' placement implies."""
+    return partition_stages([1.0] * int(num_layers), stage_speeds(device_speeds, mesh_axes, axis))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,10 +336,13 @@ __all__ = [
     "StagePlan",
     "balance",
     "even_split",
+    "hetero_stage_plan",
     "partition_stages",
+    "plan_of",
     "plan_on_groups",
     "simulated_step_time",
     "split_batch",
+    "stage_speeds",
     "strategy",
 ]
 

@@ -24,11 +24,20 @@ per step, outside the tick loop) and marks them varying over the batch axes befo
 adds to a per-device, unreduced weight gradient (the price: one full-size stage gradient per device, as with
 DDP's no_sync), and the one `psum` over the batch axes after the loop (the transpose of that mark; explicit
 in 1F1B's backward) is the step's only gradient reduction over them.
+
+Uneven stages (Whale, Jia et al. ATC'22, 2011.09208: devices of different speeds get different layer counts):
+"pipeline:1f1b:4@3,5" gives stage s cut[s] contiguous layers (gpipe and 1f1b; `pipeline.stage_layers`, or the
+min-max cut `sk.hetero.hetero_stage_plan` derives from a preset's device groups). The parameter layout does not
+change (the stacked axis stays evenly on `stage`, so checkpoints and the other strategies are untouched): the
+kernel gathers the stack into p x max(cut) slots, stage s's being its layers then padding slots (copies of its
+last layer), once per step outside the shard_map (XLA moves the layers that change stage; the transpose of the
+gather adds the slots' gradients back). Inside, each slot's layer runs under `lax.cond(slot < cut[s])` on the
+device's stage index, so a padding slot computes nothing and its gradient is exactly zero. Circular is refused
+with an uneven cut: its v equal chunks per stage would each be padded to the largest.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -40,118 +49,23 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit.errors import ShardkitError
 from shardkit.layers import register_stack, scan_stack
+from shardkit.parallel.pipeline_schedule import (
+    BWD,
+    FWD,
+    IDLE,
+    SCHEDULES,
+    Schedule,
+    bubble_formula,
+    check_counts,
+    parse,
+    parse_cut,
+    schedule,
+    stage_cut,
+)
 from shardkit.rules import use_rules
 from shardkit.strategies import DATA_FSDP, FSDP_RULES, TENSOR_RULES, Strategy, register_strategy, table
 
-IDLE, FWD, BWD = 0, 1, 2
-SCHEDULES = ("gpipe", "1f1b", "circular")
 AXIS = "stage"
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """op/mb/chunk[tick, stage]: IDLE, FWD or BWD of microbatch mb on virtual stage (chunk) `chunk`."""
-
-    kind: str
-    stages: int
-    microbatches: int
-    virtual: int
-    op: np.ndarray
-    mb: np.ndarray
-    chunk: np.ndarray
-
-    @property
-    def ticks(self) -> int:
-        return self.op.shape[0]
-
-    def bubble(self) -> float:
-        """Idle fraction of the stage x tick slots (F and B one tick each, v ticks per full-stage pass)."""
-        return float((self.op == IDLE).mean())
-
-    def peak_in_flight(self) -> np.ndarray:
-        """Per stage: max over ticks of forwards done minus backwards done (stored microbatch activations)."""
-        live = np.cumsum(self.op == FWD, axis=0) - np.cumsum(self.op == BWD, axis=0)
-        return live.max(axis=0) // self.virtual if self.virtual > 1 else live.max(axis=0)
-
-
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """GPipe and 1F1B (v = 1): (p-1)/(m+p-1); interleaved with v virtual stages: (p-1)/(v m+p-1)."""
-    return (p - 1) / (v * m + p - 1)
-
-
-def parse(name: str, p: int) -> tuple[str, int, int]:
-    """'pipeline:1f1b:8' -> ('1f1b', 8, 1); 'pipeline:circular:8:2' -> ('circular', 8, 2)."""
-    parts = name.split(":")[1:]
-    kind = parts[0] if parts else "gpipe"
-    if kind not in SCHEDULES:
-        raise ShardkitError(f"pipeline schedule {kind!r} (from {name!r}): choose one of {', '.join(SCHEDULES)}")
-    try:
-        m = int(parts[1]) if len(parts) > 1 else p
-        v = int(parts[2]) if len(parts) > 2 else (2 if kind == "circular" else 1)
-    except ValueError as e:
-        raise ShardkitError(f"{name!r}: expected 'pipeline:<schedule>:<microbatches>[:<virtual>]'") from e
-    if kind != "circular" and v != 1:
-        raise ShardkitError(f"{name!r}: virtual stages (v={v}) need the 'circular' schedule")
-    return kind, m, v
-
-
-def _check(kind: str, p: int, m: int, v: int) -> None:
-    if m < 1 or v < 1:
-        raise ShardkitError(f"pipeline: microbatches={m} and virtual stages={v} must be >= 1")
-    if kind == "1f1b" and m < p:
-        raise ShardkitError(f"1f1b needs microbatches >= stages: got {m} microbatches for {p} stages")
-    if kind == "circular" and v > 1 and m < p:
-        raise ShardkitError(f"circular needs microbatches >= stages to refill the ring: got m={m} < p={p}")
-
-
-def schedule(p: int, m: int, v: int = 1, kind: str = "gpipe") -> Schedule:
-    """The (tick, stage) -> (op, microbatch, chunk) table of a full step (forward and backward)."""
-    _check(kind, p, m, v)
-    if kind == "1f1b":
-        return _one_f_one_b(p, m)
-    v = v if kind == "circular" else 1
-    fwd_ticks = v * m + p - 1
-    op, mb, ch = (np.zeros((2 * fwd_ticks, p), np.int32) for _ in range(3))
-    for s in range(p):
-        for j in range(v * m):  # forward: stage s handles (repeat r, microbatch i) at tick r m + i + s
-            r, i = divmod(j, m)
-            t = j + s
-            op[t, s], mb[t, s], ch[t, s] = FWD, i, r
-            tb = fwd_ticks + (v - 1 - r) * m + i + (p - 1 - s)  # backward: the mirror image
-            op[tb, s], mb[tb, s], ch[tb, s] = BWD, i, r
-    return Schedule(kind, p, m, v, op, mb, ch)
-
-
-def _one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-Flush order per stage, timed by simulation: an op runs once its inputs arrived a tick earlier."""
-    orders = []
-    for s in range(p):
-        warm = min(p - 1 - s, m)
-        seq = [(FWD, i) for i in range(warm)]
-        for i in range(m - warm):
-            seq += [(FWD, warm + i), (BWD, i)]
-        seq += [(BWD, i) for i in range(m - warm, m)]
-        orders.append(seq)
-    done: dict[tuple[int, int, int], int] = {}  # (op, microbatch, stage) -> tick it ran
-    pos, rows, t = [0] * p, [], 0
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        row = []
-        for s in range(p):
-            if pos[s] == len(orders[s]):
-                row.append((IDLE, 0))
-                continue
-            o, i = orders[s][pos[s]]
-            dep = (FWD, i, s - 1) if o == FWD else (BWD, i, s + 1) if s < p - 1 else (FWD, i, s)
-            ready = (o == FWD and s == 0) or done.get(dep, t) < t
-            row.append((o, i) if ready else (IDLE, 0))
-        for s, (o, i) in enumerate(row):
-            if o != IDLE:
-                done[(o, i, s)] = t
-                pos[s] += 1
-        rows.append(row)
-        t += 1
-    arr = np.array(rows, np.int32)  # [ticks, p, 2]
-    return Schedule("1f1b", p, m, 1, arr[..., 0], arr[..., 1], np.zeros_like(arr[..., 0]))
 
 
 # ------------------------------------------------------------------------------------------------- kernels
@@ -168,6 +82,28 @@ def _merge(x: jax.Array) -> jax.Array:
 def _to_stages(stacked: Any, p: int, v: int) -> Any:
     """[L, ...] -> [p, v, L/(v p), ...] with layer r p k + s k + j at [s, r, j] (round robin for v > 1)."""
     return jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (v * p), *w.shape[1:]).swapaxes(0, 1), stacked)
+
+
+def _to_slots(stacked: Any, cut: tuple[int, ...]) -> Any:
+    """[L, ...] -> [p, 1, max(cut), ...]: stage s's slots are its cut[s] layers, then padding slots (copies of its
+    last layer, which `_skipping` never applies). One gather per step; its transpose adds the slots' gradients
+    back to the layers (a padding slot's is exactly zero)."""
+    n_max, first = max(cut), np.cumsum((0, *cut))
+    idx = np.array([first[s] + min(j, n - 1) for s, n in enumerate(cut) for j in range(n_max)], np.int32)
+    return jax.tree.map(lambda w: w[idx].reshape(len(cut), 1, n_max, *w.shape[1:]), stacked)
+
+
+def _skipping(block_fn: Callable, cut: tuple[int, ...]) -> Callable:
+    """The layer body over (weights, slot j) on stage s: block_fn for j < cut[s], else x unchanged, computing nothing
+    (`lax.cond` on the device's own stage index: every device of one stage takes the same branch)."""
+    counts = np.asarray(cut, np.int32)
+
+    def block(slot: tuple, x: jax.Array, *args: Any) -> jax.Array:
+        w, j = slot
+        held = jnp.asarray(counts)[lax.axis_index(AXIS)]
+        return lax.cond(j < held, lambda h: block_fn(w, h, *args), lambda h: h, x)
+
+    return block
 
 
 def _varying(x: Any, axes: tuple[str, ...] = (AXIS,)) -> Any:
@@ -284,7 +220,8 @@ def pipeline_stack(
     p = context.mesh.shape.get(AXIS, 1) if context is not None else 1
     kind, m, v = parse(name, p)
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    if num_layers % (p * v):
+    cut = stage_cut(name, p, num_layers)  # None: L/p layers per stage
+    if cut is None and num_layers % (p * v):
         raise ShardkitError(
             f"{name!r}: {num_layers} layers are not divisible by {p} stages x {v} virtual stages = {p * v}"
         )
@@ -296,7 +233,7 @@ def pipeline_stack(
         )
     if x.shape[0] % m:
         raise ShardkitError(f"{name!r}: batch {x.shape[0]} is not divisible by {m} pipeline microbatches")
-    _check(kind, p, m, v)
+    check_counts(kind, p, m, v)
     if p == 1:
         return scan_stack(block_fn, stacked, x, *args, remat=remat)
     keep = [k for k, a in enumerate(args) if a is not None]
@@ -319,7 +256,10 @@ def pipeline_stack(
         """k layers on one microbatch, constrained on the abstract mesh in which `stage` and `batch` are manual."""
         mesh = jax.sharding.get_abstract_mesh()
         with use_rules(mesh, rules, kernels=context.kernels):
-            return scan_stack(block_fn, w, h, *_refill(args, keep, a), remat=remat)
+            if cut is None:
+                return scan_stack(block_fn, w, h, *_refill(args, keep, a), remat=remat)
+            slots = (w, jnp.arange(max(cut)))
+            return scan_stack(_skipping(block_fn, cut), slots, h, *_refill(args, keep, a), remat=remat)
 
     manual, rows = {AXIS, *batch}, P(None, batch or None)  # rows: [m, b, ...] with b split over `batch`
     fwd = jax.shard_map(
@@ -329,7 +269,7 @@ def pipeline_stack(
         out_specs=P(AXIS, None, batch or None),
         axis_names=manual,
     )
-    staged = _to_stages(stacked, p, v)
+    staged = _to_stages(stacked, p, v) if cut is None else _to_slots(stacked, cut)
     xm, argsm = _split(x, m), tuple(_split(args[k], m) for k in keep)
     if kind != "1f1b":
         return _merge(fwd(staged, xm, argsm)[0])
@@ -365,15 +305,36 @@ def _refill(args: tuple, keep: list[int], given: tuple) -> list[Any]:
 
 
 def configure_name(name: str, options: dict[str, Any]) -> str:
-    """The kernel name for a run's `pipeline` options (schedule, microbatches, virtual_stages; 0 = default)."""
+    """The kernel name for a run's `pipeline` options (schedule, microbatches, virtual_stages; 0 = default;
+    stage_layers: "" = even, "3,5" = layers per stage, appended as "@3,5"). A "hetero" cut must already be
+    resolved to counts (`sk.hetero.hetero_stage_plan`: it needs the mesh and the layer count)."""
     kind, m = options.get("schedule", "gpipe"), options.get("microbatches", 0)
     v = options.get("virtual_stages", 0)
-    return f"pipeline:{kind}" + (f":{m}" if m or v else "") + (f":{v}" if v else "")
+    name = f"pipeline:{kind}" + (f":{m}" if m or v else "") + (f":{v}" if v else "")
+    cut = str(options.get("stage_layers", "") or "").strip()
+    if cut == "hetero":
+        raise ShardkitError(
+            "pipeline.stage_layers='hetero' is resolved from the hardware preset's [[groups]], the mesh and the "
+            "layer count by experiments/train.py (sk.hetero.hetero_stage_plan); here give the counts, e.g. '3,5'"
+        )
+    return name + (f"@{','.join(map(str, parse_cut(cut, 'pipeline.stage_layers')))}" if cut else "")
 
 
 register_stack("pipeline", pipeline_stack, configure=configure_name)
 
-__all__ = ["SCHEDULES", "Schedule", "bubble_formula", "parse", "pipeline_stack", "schedule"]
+__all__ = [
+    "BWD",
+    "FWD",
+    "IDLE",
+    "SCHEDULES",
+    "Schedule",
+    "bubble_formula",
+    "parse",
+    "parse_cut",
+    "pipeline_stack",
+    "schedule",
+    "stage_cut",
+]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -399,7 +360,7 @@ for _name, _params, _compute, _required, _what in (
             table(**_compute),
             required_axes=_required,
             layers="pipeline:gpipe",
-            description=f"pipeline: {_what}; schedule in `layers` (pipeline:gpipe|1f1b|circular[:m[:v]])",
+            description=f"pipeline: {_what}; schedule in `layers` (pipeline:gpipe|1f1b|circular[:m[:v]][@n_0,...])",
             collectives="collective-permute of one microbatch activation per tick over stage (fwd and bwd)"
             " + the other axes' collectives",
         )

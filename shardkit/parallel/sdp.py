@@ -15,6 +15,9 @@ What is split is found from the parameters' logical names, so no model is named 
   (default: one per worker); a worker holds k = coverage x G groups of every layer's units.
 Parameters without that name (embedding, stem, head, norms) are shared: plain data parallelism.
 
+With `fsdp` / `tensor` in the mesh as well, each worker is the devices sharing its `data` coordinate, and FSDP's
+and Megatron's rules (this strategy's tables) split its subnetwork among them (sdp_compose.py).
+
 Masking:
 - `forward`: the subnetwork alone runs forward, backward and update. Each device *stores* only its k slots of
   every split parameter (a `[workers, k, ...]` array sharded over `data`), and so only their gradients and
@@ -46,8 +49,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shardkit.errors import ShardkitError
 from shardkit.strategies import register_strategy
@@ -76,6 +77,8 @@ class SDPConfig:
     #: what was trained) or "full" (the whole network, every block; backward masking always evaluates it)
     eval: str = "subnetworks"
 
+    tag = property(lambda self: f"sdp@{self.coverage:.3g}", doc="sk.plan's label: sdp and the coverage")
+
     def __post_init__(self) -> None:
         for field, allowed in (("granularity", GRANULARITIES), ("masking", MASKINGS), ("ownership", OWNERSHIPS),
                                ("reduce", REDUCTIONS), ("eval", EVALS)):  # fmt: skip
@@ -101,14 +104,18 @@ def strategy(
 
     `sk.make_train_step(model, tx, mesh, sk.sdp.strategy(...))` builds the SDP step (shardkit/parallel/sdp_step.py);
     `sk.strategy("sdp")` is this with its defaults (block, coverage 1/2, forward, cyclic)."""
+    from shardkit.strategies import DATA_FSDP, FSDP_RULES, TENSOR_RULES, table
     from shardkit.strategies import strategy as named
 
     cfg = SDPConfig(granularity, float(coverage), masking, ownership, int(seed), axis, units, int(groups), reduce,
                     eval)  # fmt: skip
     desc = (f"subnetwork data parallelism: {cfg.granularity}-level, coverage {cfg.coverage:g}, {cfg.masking} "
-            f"masking, {cfg.ownership} ownership; shared parameters data-parallel")  # fmt: skip
+            f"masking, {cfg.ownership} ownership; shared parameters data-parallel; fsdp / tensor inside each "
+            "worker")  # fmt: skip
+    # fsdp / tensor (when the mesh has them) inside each worker: FSDP's and Megatron's tables (sdp_compose.py)
     return named("dp").replace(
         name="sdp", step="sdp", options=cfg, description=desc,
+        param_rules=table(**FSDP_RULES, **TENSOR_RULES), compute_rules=table(batch=DATA_FSDP, **TENSOR_RULES),
         collectives="holder averaging: ring of collective-permutes (or a masked all-reduce); all-reduce of the "
         "shared gradients",
     )  # fmt: skip
@@ -263,7 +270,7 @@ def _cyclic_order(table: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------ holder averaging
 def ring_average(buf: jax.Array, table: np.ndarray, axis: str) -> jax.Array:
-    """[k, n] per worker -> [k, n]: each slot averaged over the block's holders, by a ring of ppermutes.
+    """[k, ...] per worker -> [k, ...]: each slot averaged over the block's holders, by a ring of ppermutes.
 
     Inside `shard_map` over `axis`. `buf` holds the worker's k slots in network order. The reduce chain passes
     the top `stride` slots of a window to the next worker, which adds its copy (h - 1 permutes); the full sums
@@ -303,21 +310,22 @@ def ring_average(buf: jax.Array, table: np.ndarray, axis: str) -> jax.Array:
 
 
 def psum_average(buf: jax.Array, table: np.ndarray, axis: str) -> jax.Array:
-    """[k, n] per worker -> [k, n]: each slot averaged over its holders by one masked all-reduce of [L, n]."""
+    """[k, ...] per worker -> [k, ...]: each slot averaged over its holders by one masked all-reduce of [L, n]."""
     idx = jax.lax.axis_index(axis)
     mine = jnp.asarray(slots(table).astype(np.int32))[idx]
     dense = jnp.zeros((table.shape[1], *buf.shape[1:]), buf.dtype).at[mine].set(buf)
     counts = jnp.asarray(table.sum(axis=0), buf.dtype)
-    total = jax.lax.psum(dense, axis) / counts[:, None]
+    total = jax.lax.psum(dense, axis) / counts.reshape(-1, *[1] * (buf.ndim - 1))
     return jnp.take(total, mine, axis=0)
 
 
 def masked_average(full: jax.Array, table: np.ndarray, axis: str) -> jax.Array:
-    """[L, n] per worker -> [L, n]: zero outside the worker's blocks, then the sum over holders / holder count."""
+    """[L, ...] per worker -> [L, ...]: zero outside the worker's blocks, then the sum over holders / holder count."""
     idx = jax.lax.axis_index(axis)
     mask = jnp.asarray(table)[idx]
     counts = jnp.asarray(table.sum(axis=0), full.dtype)
-    return jax.lax.psum(jnp.where(mask[:, None], full, 0), axis) / counts[:, None]
+    lead = (-1, *[1] * (full.ndim - 1))
+    return jax.lax.psum(jnp.where(mask.reshape(lead), full, 0), axis) / counts.reshape(lead)
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -358,10 +366,6 @@ def find_splits(names: Any, shapes: Any, cfg: SDPConfig, workers: int, what: str
         return Split(dim, groups)
 
     return jax.tree_util.tree_map_with_path(one, names, shapes, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def layout_sharding(mesh: Mesh, axis: str) -> NamedSharding:
-    return NamedSharding(mesh, P(axis))
 
 
 def pack(leaves: Sequence[jax.Array], lead: int) -> tuple[jax.Array, list[tuple[tuple[int, ...], Any]]]:

@@ -30,7 +30,6 @@ from shardkit.parallel.sdp import (
     SDPConfig,
     Split,
     find_splits,
-    layout_sharding,
     masked_average,
     ownership,
     pack,
@@ -41,7 +40,16 @@ from shardkit.parallel.sdp import (
     unpack,
 )
 from shardkit.parallel.sdp import strategy as sdp_strategy
-from shardkit.step import TrainState, TrainStep, check_alive, require_one_axis
+from shardkit.parallel.sdp_compose import (
+    accumulate,
+    inner_axes,
+    inner_rules,
+    inner_tracing,
+    layout_shardings,
+    manual_spec,
+)
+from shardkit.parallel.sdp_costs import SDPCosts
+from shardkit.step import TrainState, TrainStep, check_alive
 
 
 def _is_split(x: Any) -> bool:
@@ -54,7 +62,7 @@ def _map(fn: Any, splits: Any, *trees: Any) -> Any:
 
 
 @register_step("sdp")
-class SDPTrainStep(TrainStep):
+class SDPTrainStep(SDPCosts, TrainStep):
     """`make_train_step` for an SDP strategy: `step(state, batch) -> (state, metrics)` like any TrainStep.
 
     Under forward masking `state.params` (and the optimizer state, and stacked BatchNorm statistics) store each
@@ -70,7 +78,8 @@ class SDPTrainStep(TrainStep):
     def setup(self) -> None:
         cfg = self.options_of(SDPConfig, "sk.sdp.strategy(...)")
         self.cfg, axis, mesh, model = cfg, cfg.axis, self.mesh, self.source_model
-        require_one_axis(mesh, axis, "sdp", self.microbatches)
+        self.inner = inner_axes(mesh, cfg, self.microbatches)  # fsdp / tensor inside each worker (sdp_compose.py)
+        self.inner_rules = inner_rules(self.bound.compute_rules, axis)
         self.workers = w = mesh.shape[axis]
         full = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(model)[1]))
         rest_state = split_params(model)[2]
@@ -108,10 +117,9 @@ class SDPTrainStep(TrainStep):
     # ------------------------------------------------------------------------------------------ layout
     def _layout_setup(self, full: Any, rest_shapes: Any) -> None:
         """Shardings, shapes and norm weights of the `[workers, k, ...]` layout (forward masking)."""
-        lay, rep = layout_sharding(self.mesh, self.cfg.axis), self.replicated
-        shard = lambda s, _: lay if s is not None else rep
-        self.layout_params = _map(shard, self.splits, full)
-        self.layout_state = _map(shard, self.state_splits, rest_shapes)
+        rep, lay = self.replicated, lambda s, sh: layout_shardings(s, sh, self.mesh, self.cfg.axis)
+        self.layout_params = _map(lay, self.splits, self.param_shardings)
+        self.layout_state = _map(lay, self.state_splits, self.model_state_shardings)
         abstract = jax.eval_shape(lambda p: self.to_layout(p, self.splits), full)
         self._layout_abstract = abstract
         self.opt_shardings = optax.tree_utils.tree_map_params(
@@ -210,9 +218,9 @@ class SDPTrainStep(TrainStep):
             check_alive(state, "this state")
             key, shardings = self.prepared(batch, microbatches=1)
             if ("sub", key) not in self.cache:
-                specs = jax.tree.map(lambda s: s.spec, shardings)
+                specs = jax.tree.map(lambda s: manual_spec(s.spec, self.cfg.axis), shardings)
                 fn = jax.shard_map(
-                    self._local_eval, mesh=self.mesh, check_vma=False, out_specs=P(),
+                    self._local_eval, mesh=self.mesh, check_vma=False, out_specs=P(), **self._manual,
                     in_specs=(self._specs(self.splits, state.params), self._specs(self.state_splits,
                               state.model_state), specs),
                 )  # fmt: skip
@@ -227,6 +235,17 @@ class SDPTrainStep(TrainStep):
         return super().evaluate(state, batch)
 
     # -------------------------------------------------------------------------------------------- step
+    @property
+    def _manual(self) -> dict[str, Any]:
+        """shard_map manual over the workers' axis alone when fsdp / tensor run automatic inside each worker."""
+        return {"axis_names": frozenset({self.cfg.axis})} if self.inner else {}
+
+    def tracing(self, rules: dict[str, Any], local: bool = False) -> Any:
+        """Inside the step's shard_map: each worker's rules over fsdp / tensor (sdp_compose.py), else replicated."""
+        if local and self.inner:
+            return inner_tracing(self.inner_rules, self.strategy.kernels)
+        return super().tracing(rules, local)
+
     def _specs(self, splits: Any, tree: Any) -> Any:
         forward = self.cfg.masking == "forward"
         return _map(lambda s, _: P(self.cfg.axis) if s is not None and forward else P(), splits, tree)
@@ -242,7 +261,10 @@ class SDPTrainStep(TrainStep):
         fold = lambda k, x: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(x), idx)) if k else x
         local_state = jax.tree.map(fold, keys, model_state)  # each worker its own dropout bits
         grad_fn = jax.value_and_grad(lambda p, m, b: self.apply(p, m, b, local=True), has_aux=True)
-        (loss, (aux, new_state)), grads = grad_fn(params, local_state, batch)
+        if self.microbatches == 1:
+            (loss, (aux, new_state)), grads = grad_fn(params, local_state, batch)
+        else:  # gradient accumulation inside the worker; one holder averaging per step
+            (loss, (aux, new_state)), grads = accumulate(grad_fn, params, local_state, batch, self.microbatches)
         new_state = jax.tree.map(lambda k, x, new: x if k else new, keys, model_state, new_state)
 
         # split arrays: per table, one buffer of every split gradient (and float statistic) slot -> holder mean
@@ -256,14 +278,13 @@ class SDPTrainStep(TrainStep):
         for g, entries in split_leaves.items():
             k = self.slots[g].shape[1] if forward else g
             lead = [s.to_groups(x, k) for _, x, s in entries]  # forward: [k, ...]; backward: [G, ...]
-            buf, meta = pack(lead, lead[0].shape[0])
-            if not forward:
-                buf = masked_average(buf, self.tables[g], axis)
-            elif self.reduction[g] == "ring":
-                buf = ring_average(buf, self.tables[g], axis)
-            else:
-                buf = psum_average(buf, self.tables[g], axis)
-            for (key, _, s), y in zip(entries, unpack(buf, meta), strict=True):
+            how = masked_average if not forward else ring_average if self.reduction[g] == "ring" else psum_average
+            if self.inner:  # array by array, each device its fsdp / tensor shard of it
+                outs = [how(x, self.tables[g], axis) for x in lead]
+            else:  # one buffer
+                buf, meta = pack(lead, lead[0].shape[0])
+                outs = unpack(how(buf, self.tables[g], axis), meta)
+            for (key, _, s), y in zip(entries, outs, strict=True):
                 done[key] = y[None] if forward else s.from_groups(y)
 
         # shared arrays, float statistics of shared layers and the metrics: one all-reduce, / workers
@@ -274,9 +295,12 @@ class SDPTrainStep(TrainStep):
         metrics = {"loss": loss, **aux}
         self._metrics_count = len(metrics)  # the loss and the loss_fn's metrics ride in the shared all-reduce
         shared += [(f"m{name}", jnp.asarray(v, jnp.float32)) for name, v in metrics.items()]
-        buf, meta = pack([x.reshape(1, *x.shape) for _, x in shared], 1)
-        for (key, _), y in zip(shared, unpack(jax.lax.psum(buf, axis) / w, meta), strict=True):
-            done[key] = y[0]
+        if self.inner:
+            done.update({key: jax.lax.psum(x, axis) / w for key, x in shared})
+        else:
+            buf, meta = pack([x.reshape(1, *x.shape) for _, x in shared], 1)
+            for (key, _), y in zip(shared, unpack(jax.lax.psum(buf, axis) / w, meta), strict=True):
+                done[key] = y[0]
         for key, x, s in flat_s:  # split state that is not averaged (integer counters) keeps its slot dimension
             if s is not None and key not in done:
                 done[key] = s.to_groups(x, self.slots[s.groups].shape[1])[None]
@@ -294,12 +318,12 @@ class SDPTrainStep(TrainStep):
         return out.pop("loss"), out
 
     def step_fn(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        batch_specs = jax.tree.map(lambda s: s.spec, self.batch_shardings(batch))
+        batch_specs = jax.tree.map(lambda s: manual_spec(s.spec, self.cfg.axis), self.batch_shardings(batch))
         param_specs = self._specs(self.splits, state.params)
         state_specs = self._specs(self.state_splits, state.model_state)
         local = jax.shard_map(
             self._local, mesh=self.mesh, in_specs=(param_specs, state_specs, batch_specs),
-            out_specs=(param_specs, state_specs, P()), check_vma=False,
+            out_specs=(param_specs, state_specs, P()), check_vma=False, **self._manual,
         )  # fmt: skip
         grads, model_state, metrics = local(state.params, state.model_state, batch)
         forward = self.cfg.masking == "forward"
@@ -312,78 +336,6 @@ class SDPTrainStep(TrainStep):
         params = jax.lax.with_sharding_constraint(params, shardings)
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new, metrics
-
-    # ------------------------------------------------------------------------------------------- costs
-    def describe(self, say: Any = print) -> None:
-        """Prints the ownership and what a device stores and sends per step (the CLI's header)."""
-        c = self.bytes_per_step()
-        split, shared = c["split_elements"], c["shared_elements"]
-        for g, table in self.tables.items():
-            held = ", ".join(f"w{w}:{list(map(int, s))}" for w, s in enumerate(self.slots[g][:4]))
-            more = ", ..." if self.workers > 4 else ""
-            what = "blocks" if self.cfg.granularity == "block" else "unit groups"
-            say(f"  sdp: {g} {what}, {table.sum(axis=0)[0]} holders each; worker: {what} held {held}{more}; holder "
-                f"averaging by {self.reduction[g]}")  # fmt: skip
-        frac = (shared + split * self.cfg.coverage) / (shared + split) if self.cfg.masking == "forward" else 1.0
-        say(f"  sdp: {split / 1e6:.2f}M split + {shared / 1e6:.2f}M shared parameters; a device stores {frac:.0%} "
-            f"of them; sends {(c['permute_bytes'] + c['ring_all_reduce_bytes']) / 2**20:.2f} MiB per step")  # fmt: skip
-        if self.cfg.masking == "forward":
-            say("  sdp: MFU below counts the full network's FLOPs; each device computes only its subnetwork")
-
-    def predict_costs(self, state: TrainState, backend: str) -> tuple[dict, dict[str, float], str]:
-        """`sk.explain`'s prediction: {(kind, axis): (count, bytes sent per device)}, memory per device, source.
-
-        Collectives by `bytes_per_step`'s closed form; parameter and gradient memory = shared + k / G of each split
-        array (forward masking) or everything (backward); optimizer state from its layout."""
-        nbytes = int(np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize)
-        c = self.bytes_per_step(nbytes)
-        axis = self.cfg.axis
-        comms = {("all-reduce", axis): (1, c["ring_all_reduce_bytes"])}
-        if c["permutes"]:
-            comms["collective-permute", axis] = (c["permutes"], float(c["permute_bytes"]))
-        k = self.cfg.coverage if self.cfg.masking == "forward" else 1.0
-        params = nbytes * (c["shared_elements"] + k * c["split_elements"])
-        deg = lambda sh: self.workers if sh.spec and sh.spec[0] == axis else 1
-        opt = sum(x.size * x.dtype.itemsize / deg(sh) for x, sh in
-                  zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(self.opt_shardings), strict=True))  # fmt: skip
-        how = "/".join(sorted(set(self.reduction.values())))
-        source = (f"shardkit.parallel.sdp ({self.cfg.granularity}, coverage {self.cfg.coverage:g}, "
-                  f"{self.cfg.masking}, {how} holder averaging)")  # fmt: skip
-        return comms, {"params": params, "grads": params, "optimizer": opt}, source
-
-    def bytes_per_step(self, dtype_bytes: int = 4) -> dict[str, Any]:
-        """Per-device collectives of one step by formula: {"permutes", "permute_bytes", "all_reduce_elements",
-        "ring_all_reduce_bytes", ...}. Counted: gradients, float model state (BatchNorm statistics: the split ones
-        ride in the holder averaging, the others in the shared all-reduce) and the loss and metrics."""
-        is_leaf = lambda v: v is None or _is_split(v)
-        full = jax.eval_shape(lambda: nnx.to_pure_dict(split_params(self.source_model)[1]))
-        rest = jax.eval_shape(self.unwrap_keys, self.initial_model_state)
-        floats = [x for x in jax.tree.leaves(rest) if jnp.issubdtype(x.dtype, jnp.floating)]
-        state_splits = [s for s, x in zip(jax.tree.leaves(self.state_splits, is_leaf=is_leaf), jax.tree.leaves(rest),
-                                          strict=True) if jnp.issubdtype(x.dtype, jnp.floating)]  # fmt: skip
-        shared = split = stats = 0
-        per_group: dict[int, int] = {}
-        pairs = list(zip(jax.tree.leaves(self.splits, is_leaf=is_leaf), jax.tree.leaves(full), strict=True))
-        for i, (s, x) in enumerate(pairs + list(zip(state_splits, floats, strict=True))):
-            param = i < len(pairs)
-            if s is None:
-                shared, stats = (shared + x.size, stats) if param else (shared, stats + x.size)
-            else:
-                split += x.size if param else 0
-                per_group[s.groups] = per_group.get(s.groups, 0) + x.size // s.groups
-        out = {"shared_elements": shared, "split_elements": split, "permutes": 0, "permute_bytes": 0,
-               "all_reduce_elements": shared + stats + self._metrics_count, "ring_all_reduce_bytes": 0}  # fmt: skip
-        for g, slot_elems in per_group.items():
-            table = self.tables[g]
-            if self.reduction[g] == "ring":
-                ring = ring_of(table)
-                out["permutes"] += ring.permutes()
-                out["permute_bytes"] += ring.permutes() * ring.stride * slot_elems * dtype_bytes
-            else:
-                out["all_reduce_elements"] += g * slot_elems
-        n = out["all_reduce_elements"] * dtype_bytes
-        out["ring_all_reduce_bytes"] = 2 * (self.workers - 1) / self.workers * n
-        return out
 
 
 def _flat(tree: Any, tag: str) -> list[tuple[str, jax.Array]]:
