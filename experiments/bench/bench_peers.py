@@ -137,7 +137,7 @@ def run_model(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]
     runs = {key: {"round_medians_s": t, "median_s": statistics.median(t)} for key, t in rounds.items()}
     for c in children:
         runs[f"{c.side}:{c.setting}"].update(startup_s=c.startup_s, first_step_s=c.ready["first_step_s"],
-                                             jax=c.ready["jax"])  # fmt: skip
+                                             jax=c.ready["jax"], params=c.ready.get("params"))  # fmt: skip
     best = {side: min((k for k in runs if k.startswith(side)), key=lambda k: runs[k]["median_s"])
             for side in ("shardkit", "maxtext")}  # fmt: skip
     ratios = {}
@@ -153,7 +153,8 @@ def run_model(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]
 def table(result: dict[str, Any]) -> str:
     lines = [f"train step, fsdp over 8 CPU devices, fp32, AdamW (host load {result['load_before']} before, "
              f"{result['load_after']} after; x = MaxText / shardkit, > 1: shardkit faster)"]  # fmt: skip
-    lines.append(f"{'model':<6} {'side':<9} {'remat':<8} {'step ms':>8} {'first step s':>12} {'x vs MaxText full':>18}")
+    lines.append(f"{'model':<6} {'side':<9} {'remat':<8} {'params':>10} {'step ms':>8} {'first step s':>12} "
+                 f"{'x vs MaxText full':>18}")  # fmt: skip
     for name, res in result["models"].items():
         m = res["model"]
         lines.append(f"{name} ({m['layers']} x {m['d_model']}, seq {m['seq']}, batch {m['batch']}):")
@@ -161,8 +162,8 @@ def table(result: dict[str, Any]) -> str:
             side, setting = key.split(":")
             ref = res["ratios"].get(f"maxtext:full / {key}")
             x = f"{ref['median']:.2f}x ({ref['min']:.2f}-{ref['max']:.2f})" if ref else ""
-            lines.append(f"{'':<6} {side:<9} {setting:<8} {run['median_s'] * 1e3:8.0f} {run['startup_s']:12.1f} "
-                         f"{x:>18}")  # fmt: skip
+            lines.append(f"{'':<6} {side:<9} {setting:<8} {run['params'] or 0:10,} {run['median_s'] * 1e3:8.0f} "
+                         f"{run['startup_s']:12.1f} {x:>18}")  # fmt: skip
         bb, best = res["best_vs_best"], res["best"]
         lines.append(f"{'':<6} best vs best ({best['maxtext']} / {best['shardkit']}): {bb['median']:.2f}x "
                      f"(rounds {bb['min']:.2f}-{bb['max']:.2f})")  # fmt: skip

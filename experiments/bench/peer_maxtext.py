@@ -86,6 +86,8 @@ def main() -> None:
     out = train_utils.setup_train_loop(config, None)
     _, _, state_mesh_shardings, _, mesh, _, _, data_loader, rampup_manager, _, state = out
     jit_model, state = nnx.split(state)
+    _, params, _ = nnx.split(state.model, nnx.Param, ...)  # as train_loop counts them for its log
+    n_params = sum(x.size for x in jax.tree.leaves(params))
     params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(
         config, state_mesh_shardings
     )
@@ -105,7 +107,7 @@ def main() -> None:
         step()
         first = time.perf_counter() - T0
         step()  # a second warm-up: anything the first call left (buffer donation settling, caches)
-        say({"ready": True, "first_step_s": first, "jax": jax.__version__, "devices": devices})
+        say({"ready": True, "first_step_s": first, "jax": jax.__version__, "devices": devices, "params": n_params})
         for line in sys.stdin:
             cmd = line.split()
             if not cmd or cmd[0] == "quit":

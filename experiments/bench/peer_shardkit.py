@@ -61,7 +61,8 @@ def main() -> None:
     step()
     first = time.perf_counter() - T0
     step()  # a second warm-up, as on MaxText's side
-    say({"ready": True, "first_step_s": first, "jax": jax.__version__, "devices": devices})
+    params = cfg.num_params(include_embedding=True)
+    say({"ready": True, "first_step_s": first, "jax": jax.__version__, "devices": devices, "params": params})
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":

@@ -4,9 +4,9 @@ Inside a device, ring attention (and Ulysses / USP, which run the same loop with
 block of c tokens in chunks of `chunk` queries x `chunk` keys; memory is O(c · chunk) and the time depends on
 how well one [chunk, chunk] score tile and its products suit the hardware:
 
-- CPU: 128. XLA's CPU dots are cache-blocked; a [heads · 128, 128] fp32 score tile stays in the core's L2, and
-  ring fwd + bwd at S = 8k on 8 CPU devices ran about 1.3x faster at 128 than at 256, and faster than at 512
-  (experiments/bench/bench_attention.py, `--peer-chunks`).
+- CPU: 128. Ring fwd + bwd at S = 8k on 8 CPU devices ran 1.3x faster at 128 than at 256 and than at 512
+  (experiments/bench/bench_attention.py, `--peer-chunks`): the [heads · chunk, chunk] fp32 score tile and its
+  exponentials stay in the core's caches between the two products that use them.
 - GPU / TPU: 512. Each chunk pair is one XLA dot of [heads · chunk, d] x [d, chunk]: larger chunks give
   larger matmuls (fuller tensor cores / MXU) and fewer loop iterations, and the pure-JAX peer
   (`ringattention`, its README example) and MaxText's TPU splash attention (`sa_block_q` = `sa_block_kv` =
