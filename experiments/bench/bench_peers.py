@@ -108,9 +108,13 @@ class Child:
         return self._read()["times"]
 
     def close(self) -> None:
+        """Asks the process to quit (it may have died already: then its log says why)."""
         if self.proc.poll() is None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
             self.proc.wait(timeout=120)
 
 

@@ -313,8 +313,10 @@ ring_local.defvjp(_ring_fwd, _ring_bwd)
 
 
 def mesh_platform(mesh: Mesh) -> str:
-    """The platform of the mesh's devices ("cpu", "gpu", "tpu", ...): what the default chunk is chosen for."""
-    return mesh.devices.flat[0].platform
+    """The platform of the mesh's devices ("cpu", "gpu", "tpu", ...): what the default chunk is chosen for (an
+    abstract mesh has no devices: the default backend's then)."""
+    devices = getattr(mesh, "devices", None)
+    return devices.flat[0].platform if devices is not None else jax.default_backend()
 
 
 def ring_attention(
