@@ -286,13 +286,3 @@ def test_the_prepared_gpu_check_runs_its_smoke_shapes_here(tmp_path):
     assert ("error" in attn["cudnn"]) == (result["backend"] != "gpu") and "s" in attn["dense"]
     for name in ("ring@64", "ring@128"):
         assert attn[name]["max_diff_vs_first"] < 0.05, (name, attn[name])
-
-
-def test_the_maxtext_benchmark_says_how_to_install_maxtext_when_it_is_missing(tmp_path, capsys):
-    """bench_peers drives MaxText in its own venv (not a dependency): without it, the install lines and "missing"."""
-    from experiments.bench import bench_peers
-
-    out = tmp_path / "peers.json"
-    bench_peers.main(["--maxtext-python", str(tmp_path / "no-venv" / "python"), "--out", str(out)])
-    assert 'pip install "maxtext[tpu]==0.2.5"' in capsys.readouterr().out
-    assert json.loads(out.read_text())["maxtext"] == "missing"
