@@ -129,10 +129,11 @@ def test_ring_gqa_matches_dense(layout, causal, segments):
         ("contiguous", "seq=8", 64, 4, {}),
         ("zigzag", "seq=8", 64, 2, {}),  # ring of 8, chunk 2 inside halves of 4
         ("striped", "data=2,seq=4", 48, 12, {"batch_axes": "data"}),  # one chunk per block; batch sharded too
+        ("zigzag", "seq=4", 64, None, {}),  # the default chunk (chunking.default_chunk), as a strategy runs it
     ],
 )
 def test_ring_mha_matches_dense(layout, spec, seq, chunk, kw):
-    mesh = sk.make_mesh(spec)
+    mesh = sk.make_mesh(spec, jax.devices()[: 4 if spec == "seq=4" else 8])
     assert_matches_dense(ring(layout, chunk, **kw)(mesh, True), "seq", layout, mesh, seq, HEADS, True, True)
 
 

@@ -2,10 +2,12 @@
 
     python -m experiments.bench.bench_attention [--out experiments/bench/results/bench_attention.json]
         [--mem-seqs 4096,8192,16384,32768] [--time-seqs 2048,4096,8192,16384] [--dense-max 8192] [--reps 5]
+        [--peer-chunks 128,256,512]
 
-Causal attention, fwd + bwd (the vjp of the output w.r.t. q, k, v), fp32, batch 1, 8 heads of 32, chunks of
-256 (MHA, so the peer kernel, which has no GQA, runs the same problem). Kernels: ring attention in the three layouts and
-Ulysses on mesh seq=8, USP on seq_u=2 x seq_r=4 (zigzag). One process; all figures are ratios measured here.
+Causal attention, fwd + bwd (the vjp of the output w.r.t. q, k, v), fp32, batch 1, 8 heads of 32 (MHA, so the
+peer kernel, which has no GQA, runs the same problem), each kernel at its default chunk (`chunk=None`: chosen per
+backend, shardkit/attention/chunking.py; 128 on CPU). Kernels: ring attention in the three layouts and Ulysses on
+mesh seq=8, USP on seq_u=2 x seq_r=4 (zigzag). One process; all figures are ratios measured here.
 
 1. memory: per-device bytes of the compiled fwd+bwd program (`memory_analysis()`: arguments + outputs +
    temporaries - aliased), against the GSPMD baseline: dense `jax.nn.dot_product_attention` jitted with the
@@ -16,15 +18,22 @@ Ulysses on mesh seq=8, USP on seq_u=2 x seq_r=4 (zigzag). One process; all figur
    compared with ring:contiguous instead). The 8 virtual devices share this host's cores, so the time is the
    total work of all devices, not the critical path: the ratio measures the kernel's overhead and its causal
    skipping, not scaling (dense computes the masked half too, the kernels skip it). Other work on a shared
-   host still moves these times by tens of percent.
+   host still moves these times by tens of percent. `peak`: the kernel's attention FLOP/s as a fraction of the
+   calibrated fp32 matmul peak of the 8 devices multiplying at once (`experiments.runtime.calibrate_peak_flops`,
+   as bench_mfu), FLOPs counted as MaxText does (`calculate_tflops_training_per_device`): 4 B S^2 H D for a
+   non-causal forward (Q K^T and P V), halved for causal (the masked half counted zero times, each visible
+   score once), x 3 for forward + backward (the backward's recomputation of the scores is not counted).
 3. causal load balance: attention FLOPs per device, counted from the kernels' own skip rule (a chunk pair runs
    iff some query position >= some key position) at the kernels' chunk size; max / mean over the 8 devices,
    and the critical path (the busiest device's FLOPs) of each layout relative to zigzag's.
 4. peer: `ringattention` 0.1.2 (PyPI, pure-JAX `ringattention_jax.ring_attention`, its own custom VJP,
-   contiguous layout, causal_block_size=1) on the same inputs, at query/key chunks of 128 and 256 (its
-   fastest here, one or the other by S; 512 and 1024 are slower), against ring:contiguous at the same two
-   chunk sizes: time, `speedup` = peer / ours at the same chunk and best against best, and the max relative
-   difference of output and gradients. Its top-level import fails on current JAX, so the module file is loaded directly.
+   contiguous layout, causal_block_size=1) on the same inputs, at each of `--peer-chunks` (query = key chunk),
+   against ring:contiguous at the same chunks: time, `speedup` = peer / ours at the same chunk, best against
+   best, and at both defaults (`speedup_defaults`: ours at chunk=None, the peer at 512, the chunk of its
+   README's example; the package itself has no default), and the max relative difference of output and
+   gradients. Its top-level import fails on current JAX, so the module file is loaded directly (install it
+   apart from shardkit's venv, e.g. `pip install --target /work/peer-pkgs --no-deps ringattention==0.1.2
+   einops`, and put that folder on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -47,13 +56,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import shardkit as sk
+from experiments.bench.bench_mfu import peak_of
 from experiments.bench.timing import RESULTS, save_json, time_interleaved
+from shardkit.attention.chunking import default_chunk
 from shardkit.attention.layouts import layout_perm
-from shardkit.attention.ring import chunk_size
 
 B, H, D, N = 1, 8, 32, 8
-CHUNK = 256  # query/key chunk of every kernel: faster than the library's 512 on CPU caches
-PEER_CHUNKS = (128, 256)  # the head-to-head with the peer runs both sides at each of these
+CHUNK = None  # every kernel at its default chunk (chosen per backend and block: chunking.py)
+PEER_CHUNKS = (128, 256, 512)  # the head-to-head with the peer runs both sides at each of these (--peer-chunks)
+PEER_DEFAULT = 512  # the peer's chunk when untuned: its README's example (the package has no default)
 SEQ_AXES = {"seq=8": "seq", "seq_u=2,seq_r=4": ("seq_r", "seq_u")}
 #: name -> (mesh spec, layout, kernel(q, k, v, mesh) on laid-out inputs)
 KERNELS: dict[str, tuple[str, str, Callable[..., jax.Array]]] = {
@@ -145,14 +156,18 @@ def peer_kernel(module: Any, seq: int, chunk: int) -> Callable[..., jax.Array]:
     return attn
 
 
-def timing(seq: int, reps: int, peer: Any, dense_max: int) -> dict[str, Any]:
+def attention_flops(seq: int) -> float:
+    """Causal fwd + bwd FLOPs, MaxText's convention: 4 B S^2 H D forward, halved by the mask, x 3 with the bwd."""
+    return 3 * 4 * B * seq**2 * H * D / 2
+
+
+def timing(seq: int, reps: int, peer: Any, dense_max: int, chunks: tuple[int, ...]) -> dict[str, Any]:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(key, (B, seq, H, D), jnp.float32) for key in keys)
     kernels = dict(KERNELS)
-    for chunk in PEER_CHUNKS:
-        if chunk != CHUNK:
-            ring = lambda q, k, v, m, c=chunk: sk.attention.ring_attention(q, k, v, mesh=m, chunk=c)
-            kernels[f"ring:contiguous@{chunk}"] = ("seq=8", "contiguous", ring)
+    for chunk in chunks:
+        ring = lambda q, k, v, m, c=chunk: sk.attention.ring_attention(q, k, v, mesh=m, chunk=c)
+        kernels[f"ring:contiguous@{chunk}"] = ("seq=8", "contiguous", ring)
         if peer is not None:
             kernels[f"ringattention_pkg@{chunk}"] = ("seq=8", "contiguous", peer_kernel(peer, seq, chunk))
     programs = {}
@@ -175,18 +190,23 @@ def timing(seq: int, reps: int, peer: Any, dense_max: int) -> dict[str, Any]:
     else:
         t_ref, ref, ref_name = None, outs["ring:contiguous"], "ring:contiguous"
     rows: dict[str, Any] = {"dense_1dev_s": t_ref, "numerics_reference": ref_name}
+    peak = peak_of(N) * N  # the 8 devices' calibrated matmul peak, all multiplying at once
     for name, out in outs.items():
         t = results[name].best
-        rows[name] = {"s": t, "vs_dense_1dev": t / t_ref if t_ref else None, "rel_diff": rel_diff(out, ref)}
+        rows[name] = {"s": t, "vs_dense_1dev": t / t_ref if t_ref else None, "rel_diff": rel_diff(out, ref),
+                      "peak": attention_flops(seq) / t / peak}  # fmt: skip
+    rows["default_chunk"] = default_chunk(seq // N, "contiguous", N, jax.devices()[0].platform)
     if peer is not None:
-        ours = lambda c: rows["ring:contiguous" if c == CHUNK else f"ring:contiguous@{c}"]["s"]
+        ours = lambda c: rows[f"ring:contiguous@{c}"]["s"]
         theirs = lambda c: rows[f"ringattention_pkg@{c}"]["s"]
         rows["peer"] = {
-            **{f"speedup_at_chunk_{c}": theirs(c) / ours(c) for c in PEER_CHUNKS},
-            "speedup_best_vs_best": min(map(theirs, PEER_CHUNKS)) / min(map(ours, PEER_CHUNKS)),
-            "peer_best_chunk": min(PEER_CHUNKS, key=theirs),
-            "ours_best_chunk": min(PEER_CHUNKS, key=ours),
+            **{f"speedup_at_chunk_{c}": theirs(c) / ours(c) for c in chunks},
+            "speedup_best_vs_best": min(map(theirs, chunks)) / min(map(ours, chunks)),
+            "peer_best_chunk": min(chunks, key=theirs),
+            "ours_best_chunk": min(chunks, key=ours),
         }
+        if PEER_DEFAULT in chunks:  # ours at chunk=None against the peer at its README's chunk
+            rows["peer"]["speedup_defaults"] = theirs(PEER_DEFAULT) / rows["ring:contiguous"]["s"]
     return rows
 
 
@@ -195,7 +215,7 @@ def load_balance(seq: int) -> dict[str, dict[str, float]]:
     out = {}
     for layout in sk.attention.LAYOUTS:
         c = seq // N
-        cq = chunk_size(c, CHUNK, layout, N)
+        cq = default_chunk(c, layout, N, jax.devices()[0].platform)
         pos = layout_perm(layout, seq, N).reshape(N, c // cq, cq)
         qmax, kmin = pos.max(-1), pos.min(-1)  # [rank, chunk]
         pairs = [sum(int((qmax[r][:, None] >= kmin[s][None, :]).sum()) for s in range(N)) for r in range(N)]
@@ -214,20 +234,25 @@ def table(result: dict[str, Any]) -> str:
         cells = [f"{mem[n] / 2**20:9.1f} {mem['gspmd_dense'] / mem[n]:6.1f}x" for n in names]
         lines.append(f"{seq:>6} " + " ".join(f"{c:>17}" for c in cells))
     lines.append("")
-    lines.append("time fwd+bwd causal, 8 devices sharing the host vs dense on 1 device (s; x = kernel / dense)")
+    lines.append("time fwd+bwd causal, 8 devices sharing the host vs dense on 1 device (s; x = kernel / dense; peak = "
+                 "attention FLOP/s / calibrated matmul peak, causal FLOPs counted once)")  # fmt: skip
     for seq, rows in result["time"].items():
         dense_s = rows["dense_1dev_s"]
-        lines.append(f"  seq {seq}: dense 1 device " + (f"{dense_s:.3f} s" if dense_s else "not run (--dense-max)"))
+        lines.append(f"  seq {seq}: dense 1 device " + (f"{dense_s:.3f} s" if dense_s else "not run (--dense-max)")
+                     + f"; default chunk {rows['default_chunk']}")  # fmt: skip
         for name, row in rows.items():
             if isinstance(row, dict) and "s" in row:
                 x = f"{row['vs_dense_1dev']:6.2f}x" if row["vs_dense_1dev"] else "      "
-                lines.append(f"    {name:<22} {row['s']:8.3f} s {x}  rel diff vs {rows['numerics_reference']} "
-                             f"{row['rel_diff']:.1e}")  # fmt: skip
+                lines.append(f"    {name:<22} {row['s']:8.3f} s {x} peak {row['peak']:5.1%}  rel diff vs "
+                             f"{rows['numerics_reference']} {row['rel_diff']:.1e}")  # fmt: skip
         if "peer" in rows:
             p = rows["peer"]
-            same = ", ".join(f"chunk {c}: {p[f'speedup_at_chunk_{c}']:.2f}x" for c in PEER_CHUNKS)
+            same = ", ".join(f"chunk {c}: {v:.2f}x" for k, v in p.items() for c in [k.rsplit("_", 1)[-1]]
+                             if k.startswith("speedup_at_chunk_"))  # fmt: skip
+            defaults = f"; defaults (ours {rows['default_chunk']}, peer {PEER_DEFAULT}) {p['speedup_defaults']:.2f}x"
             lines.append(f"    ringattention / ours: {same}; best vs best {p['speedup_best_vs_best']:.2f}x "
-                         f"(peer at {p['peer_best_chunk']}, ours at {p['ours_best_chunk']})")  # fmt: skip
+                         f"(peer at {p['peer_best_chunk']}, ours at {p['ours_best_chunk']})"
+                         + (defaults if "speedup_defaults" in p else ""))  # fmt: skip
     lines.append("")
     lines.append(f"causal load balance, N={N}, seq {result['balance_seq']}: max/mean attention FLOPs per device")
     for layout, row in result["balance"].items():
@@ -244,13 +269,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-seqs", default="2048,4096,8192,16384")
     parser.add_argument("--dense-max", type=int, default=8192, help="largest S timed with the dense 1-device reference")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--peer-chunks", default=",".join(map(str, PEER_CHUNKS)), help="both sides at each chunk")
     args = parser.parse_args(argv)
     assert jax.device_count() >= 8, "needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)"
     peer, peer_status = load_peer()
     result: dict[str, Any] = {"config": {"batch": B, "heads": H, "head_dim": D, "ring": N, "dtype": "float32"}}
     result["peer"] = peer_status
     result["memory"] = {int(s): memory(int(s)) for s in args.mem_seqs.split(",")}
-    result["time"] = {int(s): timing(int(s), args.reps, peer, args.dense_max) for s in args.time_seqs.split(",")}
+    chunks = tuple(int(c) for c in args.peer_chunks.split(","))
+    result["config"]["flops"] = "causal fwd+bwd = 3 x 4 B S^2 H D / 2 (MaxText's convention: masked half not counted)"
+    result["time"] = {
+        int(s): timing(int(s), args.reps, peer, args.dense_max, chunks) for s in args.time_seqs.split(",")
+    }
     result["balance_seq"] = max(result["memory"])
     result["balance"] = load_balance(result["balance_seq"])
     result["jax"] = jax.__version__

@@ -9,6 +9,9 @@ step via `shardkit.rules.use_rules`) picks the kernel by name:
     "ulysses"                                 DeepSpeed-Ulysses all-to-all over "seq" (ulysses.py)
     "usp:contiguous" | "usp:zigzag" | "usp:striped"       Ulysses over "seq_u" x ring over "seq_r" (usp.py)
 
+The ring, Ulysses and USP names take the query/key chunk of their inner loop as an option ("ring:zigzag:256");
+without it the chunk is chosen per backend and block (chunking.py: 128 on CPU, 512 on accelerators).
+
 The context-parallel kernels are also plain functions (`ring_attention`, …) usable without Flax; data for a
 ring must be in its layout (`to_layout`, or `layout_batch` for a training batch).
 """

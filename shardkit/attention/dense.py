@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +14,14 @@ from shardkit.errors import ShardkitError
 AttentionFn = Callable[..., jax.Array]
 
 
-def register_attention(name: str, fn: AttentionFn, layout: kernels.LayoutFn | None = None) -> None:
+def register_attention(
+    name: str, fn: AttentionFn, layout: kernels.LayoutFn | None = None, check: Callable[[str], Any] | None = None
+) -> None:
     """Makes a strategy with `kernels={"attention": name}` call `fn(q, k, v, *, causal, segment_ids, context)`.
 
-    `layout(name, mesh) -> (layout, ring size)`: the sequence layout the kernel needs its data in (ring kernels)."""
-    kernels.register("attention", name, fn, layout=layout)
+    `layout(name, mesh) -> (layout, ring size)`: the sequence layout the kernel needs its data in (ring kernels).
+    `check(full name)` raises ShardkitError for options after the name it cannot take (`name:<options>`)."""
+    kernels.register("attention", name, fn, layout=layout, check=check)
 
 
 def dense_attention(

@@ -31,12 +31,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit import kernels
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
+from shardkit.attention.chunking import chunk_option, resolve_chunk
+from shardkit.attention.chunking import chunk_size as chunk_size  # re-exported: bench_attention, older callers
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
 from shardkit.rules import ShardingContext
 
-DEFAULT_CHUNK = 512
+#: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on
+#: accelerators). Kept under its old name for callers that imported it; no kernel reads it any more.
+DEFAULT_CHUNK = None
 # The kernels are correct under check_vma=True (tested), but the train step's microbatch loop vmaps the loss
 # with spmd_axis_name, and batching a shard_map then adds the batch axes to only some values' varying axes
 # ("mul requires varying manual axes to match", jax 0.10-0.12); nothing here relies on replication checks.
@@ -307,10 +312,11 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
 ring_local.defvjp(_ring_fwd, _ring_bwd)
 
 
-def chunk_size(c: int, want: int, layout: str, n: int) -> int:
-    """The largest divisor of the block (of its half for zigzag, so chunks never straddle halves) <= want."""
-    unit = c // 2 if layout == "zigzag" and n > 1 else c
-    return max(s for s in range(1, min(want, unit) + 1) if unit % s == 0)
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of the mesh's devices ("cpu", "gpu", "tpu", ...): what the default chunk is chosen for (an
+    abstract mesh has no devices: the default backend's then)."""
+    devices = getattr(mesh, "devices", None)
+    return devices.flat[0].platform if devices is not None else jax.default_backend()
 
 
 def ring_attention(
@@ -323,20 +329,21 @@ def ring_attention(
     causal: bool = True,
     layout: str = "contiguous",
     segment_ids: jax.Array | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = DEFAULT_CHUNK,
     batch_axes: Any = None,
     head_axes: Any = None,
 ) -> jax.Array:
     """[b, S, heads, d], [b, S, kv_heads, d] x 2 sharded on S over `axis`, in `layout` -> [b, S, heads, d].
 
     `batch_axes` / `head_axes` (optional) are mesh axes already sharding the batch / heads dimensions (set by
-    `attend` from the strategy's compute rules); K, V heads then shard like the query heads.
+    `attend` from the strategy's compute rules); K, V heads then shard like the query heads. `chunk`: the
+    query/key chunk of the inner loop (None: chosen for the mesh's backend and the block, chunking.py).
     """
     check_qkv(q, k, v, segment_ids, "ring_attention")
     n = check_axis(mesh, axis, "ring_attention")
     check_layout(layout, q.shape[1], n)
     c = q.shape[1] // n
-    cq = chunk_size(c, chunk, layout, n)
+    cq = resolve_chunk(chunk, c, layout, n, mesh_platform(mesh), "ring_attention")
     cfg = RingConfig(axis, n, layout, causal, cq, cq)
     spec = PartitionSpec(spec_entry(batch_axes), axis, spec_entry(head_axes))
     seg_spec = PartitionSpec(spec_entry(batch_axes), axis)
@@ -354,9 +361,10 @@ def _ring_from_context(layout: str) -> Any:
     def kernel(q, k, v, *, causal: bool, segment_ids: Any, context: ShardingContext | None) -> jax.Array:
         mesh, batch_axes, head_axes = context_axes(context, ("seq",), f"ring:{layout}")
         k, v = match_kv_heads(k, v, q.shape[2], context)
+        chunk = chunk_option(kernels.active("attention")[1], f"ring:{layout}")  # ring:zigzag:256 -> 256
         return ring_attention(
             q, k, v, mesh=mesh, axis="seq", causal=causal, layout=layout, segment_ids=segment_ids,
-            batch_axes=batch_axes, head_axes=head_axes,
+            chunk=chunk, batch_axes=batch_axes, head_axes=head_axes,
         )  # fmt: skip
 
     return kernel
@@ -365,4 +373,5 @@ def _ring_from_context(layout: str) -> Any:
 for _layout in LAYOUTS:
     # the ring needs the data in its layout: declared, so the loader applies it (sk.kernels.batch_layout)
     _declared = lambda _, mesh, lay=_layout: (lay, mesh.shape.get("seq", 1))
-    register_attention(f"ring:{_layout}", _ring_from_context(_layout), layout=_declared)
+    _check = lambda name, lay=_layout: chunk_option(name, f"ring:{lay}")  # ring:<layout>[:<chunk>]
+    register_attention(f"ring:{_layout}", _ring_from_context(_layout), layout=_declared, check=_check)

@@ -19,15 +19,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit import kernels
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
+from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.dense import register_attention
-from shardkit.attention.ring import (
-    CHECK_VMA,
-    DEFAULT_CHUNK,
-    RingConfig,
-    chunk_size,
-    ring_local,
-)
+from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform, ring_local
 from shardkit.errors import ShardkitError
 from shardkit.rules import ShardingContext
 
@@ -88,7 +84,7 @@ def ulysses_attention(
     axis: str = "seq",
     causal: bool = True,
     segment_ids: jax.Array | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = DEFAULT_CHUNK,
     batch_axes: Any = None,
     head_axes: Any = None,
 ) -> jax.Array:
@@ -102,7 +98,8 @@ def ulysses_attention(
             f"ulysses_attention: sequence length {q.shape[1]} is not divisible by the Ulysses degree {p} "
             f"(mesh axis {axis!r}); pad it to a multiple of {p}"
         )
-    ring = RingConfig(None, 1, "contiguous", causal, *(chunk_size(q.shape[1], chunk, "contiguous", 1),) * 2)
+    cq = resolve_chunk(chunk, q.shape[1], "contiguous", 1, mesh_platform(mesh), "ulysses_attention")
+    ring = RingConfig(None, 1, "contiguous", causal, cq, cq)
     spec = PartitionSpec(spec_entry(batch_axes), axis, spec_entry(head_axes))
     seg_spec = None if segment_ids is None else PartitionSpec(spec_entry(batch_axes), axis)
     body = functools.partial(all_to_all_attention, axis=axis, p=p, ring=ring)
@@ -114,10 +111,11 @@ def ulysses_attention(
 def _ulysses_from_context(q, k, v, *, causal: bool, segment_ids: Any, context: ShardingContext | None) -> jax.Array:
     mesh, batch_axes, head_axes = context_axes(context, ("seq",), "ulysses")
     k, v = match_kv_heads(k, v, q.shape[2], context)
+    chunk = chunk_option(kernels.active("attention")[1], "ulysses")  # ulysses:256 -> 256
     return ulysses_attention(
-        q, k, v, mesh=mesh, axis="seq", causal=causal, segment_ids=segment_ids, batch_axes=batch_axes,
-        head_axes=head_axes,
+        q, k, v, mesh=mesh, axis="seq", causal=causal, segment_ids=segment_ids, chunk=chunk,
+        batch_axes=batch_axes, head_axes=head_axes,
     )  # fmt: skip
 
 
-register_attention("ulysses", _ulysses_from_context)
+register_attention("ulysses", _ulysses_from_context, check=lambda name: chunk_option(name, "ulysses"))

@@ -19,15 +19,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit import kernels
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
+from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, check_layout
-from shardkit.attention.ring import (
-    CHECK_VMA,
-    DEFAULT_CHUNK,
-    RingConfig,
-    chunk_size,
-)
+from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform
 from shardkit.attention.ulysses import all_to_all_attention, check_heads
 from shardkit.errors import ShardkitError
 from shardkit.rules import ShardingContext
@@ -44,7 +41,7 @@ def usp_attention(
     causal: bool = True,
     layout: str = "contiguous",
     segment_ids: jax.Array | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = DEFAULT_CHUNK,
     batch_axes: Any = None,
     head_axes: Any = None,
 ) -> jax.Array:
@@ -64,7 +61,7 @@ def usp_attention(
             f"{u} devices; pad it to a multiple of {math.lcm(r * u, 2 * r if layout == 'zigzag' else r)}"
         )
     c = q.shape[1] // r
-    cq = chunk_size(c, chunk, layout, r)
+    cq = resolve_chunk(chunk, c, layout, r, mesh_platform(mesh), "usp_attention")
     ring = RingConfig(ring_axis, r, layout, causal, cq, cq)
     seq = (ring_axis, ulysses_axis)
     spec = PartitionSpec(spec_entry(batch_axes), seq, spec_entry(head_axes))
@@ -79,9 +76,10 @@ def _usp_from_context(layout: str) -> Any:
     def kernel(q, k, v, *, causal: bool, segment_ids: Any, context: ShardingContext | None) -> jax.Array:
         mesh, batch_axes, head_axes = context_axes(context, ("seq_r", "seq_u"), f"usp:{layout}")
         k, v = match_kv_heads(k, v, q.shape[2], context)
+        chunk = chunk_option(kernels.active("attention")[1], f"usp:{layout}")  # usp:zigzag:256 -> 256
         return usp_attention(
-            q, k, v, mesh=mesh, causal=causal, layout=layout, segment_ids=segment_ids, batch_axes=batch_axes,
-            head_axes=head_axes,
+            q, k, v, mesh=mesh, causal=causal, layout=layout, segment_ids=segment_ids, chunk=chunk,
+            batch_axes=batch_axes, head_axes=head_axes,
         )  # fmt: skip
 
     return kernel
@@ -89,4 +87,5 @@ def _usp_from_context(layout: str) -> Any:
 
 for _layout in LAYOUTS:
     _declared = lambda _, mesh, lay=_layout: (lay, mesh.shape.get("seq_r", 1))  # the ring part's layout
-    register_attention(f"usp:{_layout}", _usp_from_context(_layout), layout=_declared)
+    _check = lambda name, lay=_layout: chunk_option(name, f"usp:{lay}")  # usp:<layout>[:<chunk>]
+    register_attention(f"usp:{_layout}", _usp_from_context(_layout), layout=_declared, check=_check)

@@ -1,0 +1,206 @@
+"""shardkit's train step against MaxText's on the same decoder, fsdp over 8 CPU devices: step time and start-up.
+
+    python -m experiments.bench.bench_peers [--models tiny,mid] [--shardkit-remat full,none]
+        [--maxtext-remat full,minimal] [--rounds 5] [--steps 5] [--maxtext-python /work/venv-maxtext/bin/python]
+        [--out experiments/bench/results/bench_peers.json]
+
+MaxText is not a dependency of shardkit. It needs Python >= 3.12 and its wheel declares its requirements only
+under extras (`cuda12`, `tpu`, ...): a plain `pip install maxtext` installs the package without JAX. The `tpu`
+extra is the CPU-capable set (JAX, Flax, Optax, Orbax; its libtpu stays idle without a TPU):
+
+    python3.12 -m venv /work/venv-maxtext        # outside the repository, apart from shardkit's venv
+    /work/venv-maxtext/bin/pip install "maxtext[tpu]==0.2.5"
+
+Without it this benchmark says so, records "missing" in its JSON and exits cleanly.
+
+The model (MODELS): a pre-norm decoder, RMSNorm, RoPE, multi-head attention, SwiGLU MLP, untied output
+projection, fp32 parameters and compute, AdamW (warmup + cosine, clipping at 1.0, weight decay 0.1: MaxText's
+defaults and the training runs' optimizer, experiments/optim.py), synthetic tokens. shardkit: models/gpt.py,
+strategy `fsdp` on mesh fsdp=8, layers scanned (peer_shardkit.py). MaxText: its `llama2` decoder block with
+`dot_product` attention, ici_fsdp_parallelism=8, scan_layers, hardware=cpu, dataset_type=synthetic, its own
+`train_step` (peer_maxtext.py). Settings: each side's remat policy (shardkit `full` rematerialises every layer as
+MaxText's `full` does; `none` keeps the activations; MaxText's `minimal` saves most matmul outputs); every
+setting computes the same model and the same gradients.
+
+Each (side, setting) runs in its own process (MaxText in its venv), started one after another: start-up to first
+step is the wall time from launching it to the end of its first train step (imports, building the model and
+state, tracing, compiling: no persistent compile cache on either side; one sample each). Then the processes
+stay up and the timing alternates between them: `--rounds` rounds, each running `--steps` steps of every
+process in turn (the order reversed every other round), so that load from other work on the host hits all
+alike; a process's round time is the median of its steps. Ratios are per round (MaxText's median / shardkit's
+median), then the median over rounds, with the range of the per-round ratios: a ratio > 1 means shardkit is
+faster. The 8 virtual devices share the host's cores: these are the total CPU work of a step, not a cluster's
+critical path. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from experiments.bench.timing import RESULTS, save_json
+
+ROOT = Path(__file__).resolve().parents[2]
+MAXTEXT_PYTHON = os.environ.get("MAXTEXT_PYTHON", "/work/venv-maxtext/bin/python")
+INSTALL = (
+    "MaxText is not installed for this benchmark. It needs Python >= 3.12 and lists its requirements only under "
+    "extras; install it apart from shardkit's venv:\n"
+    "    python3.12 -m venv /work/venv-maxtext\n"
+    '    /work/venv-maxtext/bin/pip install "maxtext[tpu]==0.2.5"\n'
+    "then rerun (or point --maxtext-python / MAXTEXT_PYTHON at that venv's python)."
+)
+PREFIX = "@@peer "
+#: name -> shape: the issue's matched tiny decoder (experiments/configs gpt_tiny), bench_mfu's gpt_mid, gpt_small
+MODELS: dict[str, dict[str, int]] = {
+    "tiny": dict(layers=4, d_model=128, heads=4, kv_heads=4, head_dim=32, mlp_dim=512, vocab=384, seq=128, batch=32),
+    "mid": dict(layers=6, d_model=384, heads=6, kv_heads=6, head_dim=64, mlp_dim=1024, vocab=384, seq=256, batch=8),
+    "small": dict(layers=12, d_model=768, heads=12, kv_heads=12, head_dim=64, mlp_dim=3072, vocab=384, seq=256,
+                  batch=8),
+}  # fmt: skip
+
+
+def child_env() -> dict[str, str]:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags = (flags + " --xla_force_host_platform_device_count=8").strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # cold compiles on both sides
+    return env
+
+
+def maxtext_version(python: str) -> str | None:
+    """MaxText's version in `python`'s environment, or None when that python or its maxtext is missing."""
+    if not (Path(python).exists() or shutil.which(python)):
+        return None
+    probe = "import importlib.metadata as m, maxtext; print(m.version('maxtext'))"
+    got = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=child_env(), timeout=300)
+    return got.stdout.strip() if got.returncode == 0 else None
+
+
+class Child:
+    """One (side, setting) process: started, waited for until its first steps ran, then driven by `steps`."""
+
+    def __init__(self, side: str, setting: str, argv: list[str], log: Path) -> None:
+        self.side, self.setting, self.log = side, setting, log
+        t = time.perf_counter()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
+                                     text=True, cwd=ROOT, env=child_env())  # fmt: skip
+        self.ready = self._read()
+        self.startup_s = time.perf_counter() - t
+
+    def _read(self) -> dict[str, Any]:
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                return json.loads(line[len(PREFIX) :])
+        raise RuntimeError(f"{self.side} ({self.setting}) exited with {self.proc.wait()}; see {self.log}")
+
+    def steps(self, n: int) -> list[float]:
+        self.proc.stdin.write(f"steps {n}\n")
+        self.proc.stdin.flush()
+        return self._read()["times"]
+
+    def close(self) -> None:
+        """Asks the process to quit (it may have died already: then its log says why)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+            self.proc.wait(timeout=120)
+
+
+def run_model(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    m = MODELS[name]
+    sk_json = lambda r: json.dumps({**m, "shardkit_remat": r})
+    mt_json = lambda r: json.dumps({**m, "maxtext_remat": r})
+    mt_script = str(ROOT / "experiments/bench/peer_maxtext.py")
+    specs = [("shardkit", r, [sys.executable, "-m", "experiments.bench.peer_shardkit", sk_json(r)])
+             for r in args.shardkit_remat.split(",")]  # fmt: skip
+    specs += [("maxtext", r, [args.maxtext_python, mt_script, mt_json(r)]) for r in args.maxtext_remat.split(",")]
+    children: list[Child] = []
+    try:
+        for side, setting, argv in specs:
+            children.append(Child(side, setting, argv, logs / f"{name}_{side}_{setting}.log"))
+            print(f"  {name} {side} remat={setting}: first step after {children[-1].startup_s:.1f} s", flush=True)
+        rounds: dict[str, list[float]] = {f"{c.side}:{c.setting}": [] for c in children}
+        for r in range(args.rounds):
+            for c in children if r % 2 == 0 else children[::-1]:
+                rounds[f"{c.side}:{c.setting}"].append(statistics.median(c.steps(args.steps)))
+    finally:
+        for c in children:
+            c.close()
+    runs = {key: {"round_medians_s": t, "median_s": statistics.median(t)} for key, t in rounds.items()}
+    for c in children:
+        runs[f"{c.side}:{c.setting}"].update(startup_s=c.startup_s, first_step_s=c.ready["first_step_s"],
+                                             jax=c.ready["jax"], params=c.ready.get("params"))  # fmt: skip
+    best = {side: min((k for k in runs if k.startswith(side)), key=lambda k: runs[k]["median_s"])
+            for side in ("shardkit", "maxtext")}  # fmt: skip
+    ratios = {}
+    for sk_key in (k for k in runs if k.startswith("shardkit")):
+        for mt_key in (k for k in runs if k.startswith("maxtext")):
+            per_round = [a / b for a, b in zip(rounds[mt_key], rounds[sk_key], strict=True)]
+            ratios[f"{mt_key} / {sk_key}"] = {"median": statistics.median(per_round), "min": min(per_round),
+                                              "max": max(per_round), "per_round": per_round}  # fmt: skip
+    return {"model": m, "runs": runs, "best": best, "ratios": ratios,
+            "best_vs_best": ratios[f"{best['maxtext']} / {best['shardkit']}"]}  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"train step, fsdp over 8 CPU devices, fp32, AdamW (host load {result['load_before']} before, "
+             f"{result['load_after']} after; x = MaxText / shardkit, > 1: shardkit faster)"]  # fmt: skip
+    lines.append(f"{'model':<6} {'side':<9} {'remat':<8} {'params':>10} {'step ms':>8} {'first step s':>12} "
+                 f"{'x vs MaxText full':>18}")  # fmt: skip
+    for name, res in result["models"].items():
+        m = res["model"]
+        lines.append(f"{name} ({m['layers']} x {m['d_model']}, seq {m['seq']}, batch {m['batch']}):")
+        for key, run in res["runs"].items():
+            side, setting = key.split(":")
+            ref = res["ratios"].get(f"maxtext:full / {key}")
+            x = f"{ref['median']:.2f}x ({ref['min']:.2f}-{ref['max']:.2f})" if ref else ""
+            lines.append(f"{'':<6} {side:<9} {setting:<8} {run['params'] or 0:10,} {run['median_s'] * 1e3:8.0f} "
+                         f"{run['startup_s']:12.1f} {x:>18}")  # fmt: skip
+        bb, best = res["best_vs_best"], res["best"]
+        lines.append(f"{'':<6} best vs best ({best['maxtext']} / {best['shardkit']}): {bb['median']:.2f}x "
+                     f"(rounds {bb['min']:.2f}-{bb['max']:.2f})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tiny,mid", help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--shardkit-remat", default="full,none")
+    parser.add_argument("--maxtext-remat", default="full,minimal")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="steps per process per round")
+    parser.add_argument("--maxtext-python", default=MAXTEXT_PYTHON)
+    parser.add_argument("--out", default=f"{RESULTS}/bench_peers.json")
+    parser.add_argument("--logs", default="/tmp/bench_peers_logs", help="the children's stderr")
+    args = parser.parse_args(argv)
+    version = maxtext_version(args.maxtext_python)
+    if version is None:
+        print(INSTALL)
+        save_json({"maxtext": "missing", "maxtext_python": args.maxtext_python, "install": INSTALL}, args.out)
+        return
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"maxtext": version, "maxtext_python": args.maxtext_python,
+                              "load_before": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+                              "rounds": args.rounds, "steps": args.steps, "models": {}}  # fmt: skip
+    for name in args.models.split(","):
+        result["models"][name] = run_model(name, args, logs)
+    result["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(table(result))
+    save_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
