@@ -2,6 +2,7 @@
 the fastest that fits is trained (docs/planner.md).
 
 1. Candidates. A model whose config has the cost hooks (`cost_model`: the GPT, CosmoFlow) is planned by `sk.plan`
+   (a hook that answers for no strategy from the batch's size alone, as the U-Net's, falls to the next path)
    over the registered strategies its formulas cover, on this machine's device count with the run's hardware preset
    (links, HBM, peak), the remat policies of `plan(remat=...)` tried per plan (`auto.remat`; a model without a
    `recompute_flops` hook gets "none" only). A model without them (the ResNet) gets every registered strategy on its
@@ -82,8 +83,9 @@ def _nbytes(config: ml_collections.ConfigDict) -> int:
     return int(jax.numpy.dtype(dtype).itemsize)
 
 
-def plan_candidates(config: Any, model_cfg: Any, devices: int, preset: sk.HardwarePreset) -> list[Candidate]:
-    """The planner's ranked (strategy, mesh, remat) plans that fit, for a model with a cost model."""
+def plan_candidates(config: Any, model_cfg: Any, devices: int, preset: sk.HardwarePreset) -> list[Candidate] | None:
+    """The planner's ranked (strategy, mesh, remat) plans that fit, for a model with a cost model; None when its
+    cost model answers for no strategy from the batch's size alone (e.g. the U-Net's needs the volume's shape)."""
     lm = config.get("task", "lm") == "lm"
     shapes = {"inputs": (config.batch_size, config.seq_len)} if lm else {"batch": (config.batch_size,)}
     backend = "cpu" if preset.platform == "cpu" else preset.platform
@@ -95,7 +97,9 @@ def plan_candidates(config: Any, model_cfg: Any, devices: int, preset: sk.Hardwa
             continue
         if terms is not None and not sk.strategy(name).traits().scoped:
             covered.append(name)
-    remat = tuple(p for p in str(config.auto.remat).split(",") if p.strip())
+    if not covered:
+        return None
+    remat = tuple(p.strip() for p in str(config.auto.remat).split(",") if p.strip())
     plans = costmodel.plan(model_cfg, devices, preset, config.batch_size, config.seq_len if lm else None,
                            strategies=covered, nbytes=_nbytes(config), backend=backend, remat=remat,
                            memory_fraction=config.auto.memory_fraction, efficiency=config.auto.efficiency)  # fmt: skip
@@ -177,9 +181,10 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
         raise sk.ShardkitError(f"auto.top={config.auto.top} must be >= 1 and auto.memory_fraction="
                                f"{config.auto.memory_fraction} in (0, 1]")  # fmt: skip
     model_cfg = build_task(config).model_cfg
+    cands, how = None, ""
     if callable(getattr(model_cfg, "cost_model", None)) and devices & (devices - 1) == 0:
         cands, how = plan_candidates(config, model_cfg, devices, preset), "sk.plan (the model's cost model)"
-    else:
+    if cands is None:
         cands, how = rules_candidates(config, devices, preset, build), "every registered strategy it fits"
     peak = config.peak_flops or preset.peak_flops or calibrate_peak_flops(jax.devices())
     budget = config.auto.memory_fraction * preset.hbm_bytes

@@ -144,7 +144,7 @@ class CosmoFlow(nnx.Module):
             )  # fmt: skip
             f = h
         self.dense = nnx.List(dense)
-        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+        self.dropout = sk.layers.Dropout(cfg.dropout, rngs=rngs)
 
     def __call__(self, volumes: jax.Array) -> jax.Array:
         cfg = self.cfg

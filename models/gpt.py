@@ -119,7 +119,7 @@ class GPTConfig:
             comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
             memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes)
             return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({name}: all-to-alls only)"
-        sdp = _sdp_options(strategy)
+        sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
             batch, seq = next(iter(batch_shapes.values()))[:2]
             comms, memory = gpt_cost.sdp_terms(self, mesh, batch, seq, sdp.coverage, nbytes, backend,
@@ -142,11 +142,14 @@ class GPTConfig:
     def recompute_flops(self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]]) -> float:
         """`sk.plan`'s hook: FLOPs per device per step the backward re-runs under the strategy's remat policy
         (models/gpt_remat_cost.py states the convention)."""
-        from models import gpt_remat_cost
+        from models import gpt_cost, gpt_remat_cost
 
         batch, seq = next(iter(batch_shapes.values()))[:2]
-        devices = math.prod(mesh.values())
-        return gpt_remat_cost.recompute_flops(self, self.remat_policy(strategy), batch * seq, seq, devices)
+        devices, cfg = math.prod(mesh.values()), self
+        sdp = gpt_cost.sdp_options(strategy)
+        if sdp is not None:  # an SDP worker runs only its k = coverage x L blocks (on its batch shard)
+            cfg = dataclasses.replace(self, num_layers=round(sdp.coverage * self.num_layers))
+        return gpt_remat_cost.recompute_flops(cfg, self.remat_policy(strategy), batch * seq, seq, devices)
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
@@ -154,24 +157,9 @@ class GPTConfig:
 
         if self.num_experts:
             return gpt_cost.moe_divisibility(self, mesh, global_batch)
-        sdp = _sdp_options(strategy)
-        if sdp is not None:  # what the SDP step would refuse: both inner axes; no ownership table for the workers
-            if mesh.get("fsdp", 1) > 1 and mesh.get("tensor", 1) > 1:
-                return "sdp spans fsdp or tensor inside a worker, not both (shardkit/parallel/sdp_compose.py)"
-            try:
-                sk.sdp.ownership(self.num_layers, mesh.get("data", 1), sdp.coverage)
-            except sk.ShardkitError as err:
-                return str(err)
-            return gpt_cost.divisibility("fsdp_tp", self, mesh, global_batch)
+        if gpt_cost.sdp_options(strategy) is not None:
+            return gpt_cost.sdp_divisibility(strategy, self, mesh, global_batch)
         return gpt_cost.divisibility(gpt_cost.formula(strategy) or "", self, mesh, global_batch)
-
-
-def _sdp_options(strategy: Any) -> Any:
-    """The SDP options the cost formulas cover (block-level, forward masking, cyclic ownership), else None."""
-    options = sk.strategy(strategy).options
-    ok = (getattr(options, k, None) == v for k, v in (("granularity", "block"), ("masking", "forward"),
-                                                       ("ownership", "cyclic"), ("axis", "data")))  # fmt: skip
-    return options if sk.strategy(strategy).step == "sdp" and all(ok) else None
 
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:

@@ -41,6 +41,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import shardkit as sk
 from models import gpt_remat_cost
 from shardkit.costmodel import TP3D_ORDER, Comm, CommBuilder, tp3d_layer_comms
 from shardkit.errors import ShardkitError
@@ -237,7 +238,8 @@ def activation_bytes(cfg: Any, tokens: int, seq_len: int, embed_split: int, head
     + 6f (gate, up, SiLU's three intermediates, their product; split over the head / mlp axis), per head and
     key: the masked scores and their exp in fp32 (jax.nn's softmax), the probabilities at `nbytes` and the
     causal mask's byte, and RoPE's sin / cos (2·hd fp32). Korthikanti's GELU block with dropout counts 34h +
-    5as bytes at 2 bytes per value; ours at f = 4e, k = n, nbytes = 2: 58e + 11ns + 8hd.
+    5as bytes at 2 bytes per value; ours at f = 4e, k = n, nbytes = 2: 66e + 11ns + 8hd
+    (33 values of e at 2 bytes).
     """
     c = _cfg(cfg)
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
@@ -295,6 +297,26 @@ def divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: in
     return ""
 
 
+def sdp_options(strategy: Any) -> Any:
+    """The SDP options `sdp_terms` covers (block-level, forward masking, cyclic ownership over data), else None."""
+    s = sk.strategy(strategy)
+    wanted = {"granularity": "block", "masking": "forward", "ownership": "cyclic", "axis": "data"}
+    ok = all(getattr(s.options, k, None) == v for k, v in wanted.items())
+    return s.options if s.step == "sdp" and ok else None
+
+
+def sdp_divisibility(strategy: Any, cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
+    """What the SDP step would refuse ("" if nothing): fsdp and tensor both inside a worker, no ownership table
+    for the data workers, or the worker's shapes not dividing fsdp x tensor."""
+    if mesh.get("fsdp", 1) > 1 and mesh.get("tensor", 1) > 1:
+        return "sdp spans fsdp or tensor inside a worker, not both (shardkit/parallel/sdp_compose.py)"
+    try:
+        sk.sdp.ownership(cfg.num_layers, mesh.get("data", 1), sdp_options(strategy).coverage)
+    except ShardkitError as err:
+        return str(err)
+    return divisibility("fsdp_tp", cfg, mesh, global_batch)
+
+
 def sdp_terms(
     cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, coverage: float, nbytes: int = 2,
     backend: str = "gpu", remat: str | None = None,
@@ -309,8 +331,6 @@ def sdp_terms(
     array when fsdp / tensor split them; coverage 1 (every block everywhere) is one all-reduce. The shared
     parameters' gradients: one all-reduce over data. tests/test_sdp_compose.py checks the permute bytes and the
     parameter memory against the compiled step."""
-    import shardkit as sk  # the public API only (models never import shardkit.parallel)
-
     c = _cfg(cfg)
     e, L = c["d_model"], c["num_layers"]
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
@@ -341,7 +361,7 @@ def sdp_terms(
         from models.gpt import REMAT_ALIASES
 
         remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
-    worker = dataclasses.replace(cfg, num_layers=k) if dataclasses.is_dataclass(cfg) else cfg  # its k blocks
+    worker = dataclasses.replace(cfg, num_layers=k)  # its k blocks (cfg: a GPTConfig)
     block_acts = activation_bytes(cfg, tokens, seq_len, 1, t, nbytes)
     acts = gpt_remat_cost.saved_bytes(worker, remat, tokens, seq_len, 1, t, nbytes, block_acts)
     acts += tokens * c["vocab_size"] / t * 4 * 2  # fp32 logits and their softmax
@@ -398,4 +418,5 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
 
 
 __all__ = ["MODELLED", "activation_bytes", "cached_comms", "divisibility", "fc_layers", "formula", "gpt_extra_comms",
-           "memory", "moe_comms", "moe_divisibility", "moe_memory", "num_params", "strategy_comms"]  # fmt: skip
+           "memory", "moe_comms", "moe_divisibility", "moe_memory", "num_params", "sdp_divisibility", "sdp_options",
+           "sdp_terms", "strategy_comms"]  # fmt: skip

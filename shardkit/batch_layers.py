@@ -116,6 +116,7 @@ class BatchNorm(nnx.BatchNorm):
         groups = norm_groups(x.shape[0])
         if groups == 1 and (local is None or not local.partial):
             return super().__call__(x, use_running_average)
+        self._check_options(groups, local)
         dtype = jnp.promote_types(self.dtype or x.dtype, jnp.float32)
         xg = x.reshape(groups, x.shape[0] // groups, *x.shape[1:]).astype(dtype)
         axes = tuple(range(1, xg.ndim - 1))
@@ -136,6 +137,22 @@ class BatchNorm(nnx.BatchNorm):
         )
         self.mean[...], self.var[...] = decay(self.mean[...], mean), decay(self.var[...], var)
         return y.reshape(x.shape).astype(self.dtype or x.dtype)
+
+
+    def _check_options(self, groups: int, local: Any) -> None:
+        """The options this layer's own statistics implement; the others are refused, not ignored."""
+        defaults = {"axis": -1, "use_scale": True, "use_bias": True, "axis_name": None, "use_fast_variance": True}
+        bad = {k: getattr(self, k) for k, v in defaults.items() if getattr(self, k) != v and (k, v) != ("axis", -1)}
+        if self.axis not in (-1, (-1,)):
+            bad["axis"] = self.axis
+        if bad:
+            where = f"norm=group:{groups}" if groups > 1 else "a step that runs the model on parts of the batch"
+            given = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+            raise ShardkitError(
+                f"sk.layers.BatchNorm({given}): under {where} its statistics support Flax's defaults for these "
+                "(features last, scale and bias, fast variance, no axis_name: the step reduces over its own axes); "
+                "drop these options"
+            )
 
 
 class Dropout(nnx.Dropout):

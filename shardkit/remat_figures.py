@@ -71,10 +71,14 @@ def remat_figures(
     (it is the baseline of `recomputed_flops`) and listed first. `compiled`: `step`'s own program, if compiled
     already, used for its own policy. A model whose layers run under no remat slot (neither `sk.layers` stacks nor
     `sk.layers.checkpoint` / `checkpoint_module`) compiles the same program under every policy."""
-    own = step.strategy.kernels.get("remat", "none")
+    own = step.strategy.kernels.get("remat")  # None: the model's own remat= may decide: compile every policy
     rows: list[PolicyFigures] = []
     for policy in ["none", *[p for p in policies if p != "none"]]:
-        program = compiled if compiled is not None and policy == own else compile_policy(step, state, batch, policy)
+        program = (
+            compiled
+            if compiled is not None and own is not None and policy == own
+            else compile_policy(step, state, batch, policy)
+        )
         rows.append(figures(program, policy, rows[0].matmul_flops if rows else None))
     return rows
 

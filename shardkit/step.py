@@ -86,7 +86,7 @@ def check_alive(tree: Any, what: str) -> None:
 
 
 def require_one_axis(mesh: Mesh, axis: str, who: str, microbatches: int) -> None:
-    """The checks of a step that runs one `shard_map` over one mesh axis (sdp, hetero): that axis alone, the
+    """The checks of a step that runs one `shard_map` over one mesh axis (hetero): that axis alone, the
     batch whole."""
     if microbatches != 1:
         raise ShardkitError(f"microbatches={microbatches}: {who} takes the batch whole (leave microbatches at 1)")

@@ -10,9 +10,12 @@ import shardkit as sk
 from shardkit.attention import chunking
 
 
-@pytest.mark.parametrize(("platform", "want"), [("cpu", 128), ("gpu", 512), ("cuda", 512), ("tpu", 512), ("x", 512)])
-def test_preferred_chunk_is_small_on_cpu_and_larger_on_accelerators(platform, want):
-    assert chunking.preferred_chunk(platform) == want
+def test_the_platform_is_read_from_a_concrete_or_an_abstract_mesh():
+    """Inside a pipeline stage the kernels see only the abstract mesh (whose `.devices` raises)."""
+    from shardkit.attention.ring import mesh_platform
+
+    mesh = sk.make_mesh({"seq": 2})
+    assert mesh_platform(mesh) == mesh_platform(mesh.abstract_mesh) == jax.default_backend() == "cpu"
 
 
 @pytest.mark.parametrize(

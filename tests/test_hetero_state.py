@@ -118,3 +118,14 @@ def test_model_state_it_cannot_carry_is_named():
     with pytest.raises(sk.ShardkitError, match=r"norm='group:4'.*drop the count"):
         sk.make_train_step(model, optax.sgd(0.1), mesh, strategy.replace(kernels={"norm": "group:4"}),
                            loss_fn=classification_loss, batch_axes=BATCH_AXES)  # fmt: skip
+
+
+def test_batchnorm_options_its_statistics_do_not_implement_are_refused():
+    """Outside a partial batch it is Flax's layer with every option; on a part, the options it would ignore raise."""
+    x = jnp.arange(24.0).reshape(6, 4)
+    for options in ({"use_bias": False}, {"use_scale": False}, {"use_fast_variance": False}):
+        bn = sk.layers.BatchNorm(4, rngs=nnx.Rngs(0), **options)
+        ref = nnx.BatchNorm(4, rngs=nnx.Rngs(0), **options)
+        np.testing.assert_array_equal(bn(x), ref(x))  # the whole batch: Flax's own code
+        with sk.layers.local_batch(jnp.arange(6), lanes=True), pytest.raises(sk.ShardkitError, match="drop these"):
+            jax.vmap(bn)(x[None])  # one lane of a vmapped part: its own statistics

@@ -40,7 +40,7 @@ from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
 from shardkit.rules import ShardingContext
 
 #: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on
-#: accelerators). Kept under its old name for callers that imported it; no kernel reads it any more.
+#: accelerators). Kept under its old name (it was 512 before the per-backend choice) as the kernels' default.
 DEFAULT_CHUNK = None
 # The kernels are correct under check_vma=True (tested), but the train step's microbatch loop vmaps the loss
 # with spmd_axis_name, and batching a shard_map then adds the batch axes to only some values' varying axes
@@ -315,8 +315,9 @@ ring_local.defvjp(_ring_fwd, _ring_bwd)
 def mesh_platform(mesh: Mesh) -> str:
     """The platform of the mesh's devices ("cpu", "gpu", "tpu", ...): what the default chunk is chosen for (an
     abstract mesh has no devices: the default backend's then)."""
-    devices = getattr(mesh, "devices", None)
-    return devices.flat[0].platform if devices is not None else jax.default_backend()
+    if isinstance(mesh, jax.sharding.AbstractMesh):  # its `.devices` raises rather than returning None
+        return jax.default_backend()
+    return mesh.devices.flat[0].platform
 
 
 def ring_attention(

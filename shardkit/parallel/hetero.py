@@ -186,6 +186,10 @@ def plan_of(
     Simulated: sum of the stage's layer costs / its speed."""
     counts, speeds = [int(n) for n in counts], _positive("stage_speeds", stage_speeds, len(counts))
     costs = [1.0] * sum(counts) if layer_costs is None else [float(c) for c in layer_costs]
+    if len(costs) != sum(counts) or min(counts, default=0) < 1:
+        raise ShardkitError(
+            f"plan_of: counts {counts} (each >= 1) must hold the {len(costs)} layers of layer_costs one each"
+        )
     bounds = tuple(int(b) for b in np.cumsum([0, *counts]))
     times = tuple(sum(costs[bounds[s] : bounds[s + 1]]) / speeds[s] for s in range(len(counts)))
     return StagePlan(bounds, times, max(times))

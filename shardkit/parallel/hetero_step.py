@@ -255,7 +255,7 @@ def _floating(x: Any) -> bool:
 
 
 def _vma(x: Any) -> frozenset:
-    t = jax.typeof(x)  # jax 0.12: aval.vma; jax 0.10: aval.manual_axis_type.varying
+    t = jax.typeof(x)  # jax 0.10 and 0.12: aval.manual_axis_type.varying; older: aval.vma
     return frozenset(getattr(t, "vma", None) or getattr(getattr(t, "manual_axis_type", None), "varying", ()))
 
 

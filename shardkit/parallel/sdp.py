@@ -1,8 +1,8 @@
 """Subnetwork Data Parallelism (Singh, Khalid, Cagnasso, Oyallon, Belilovsky, arXiv 2507.09029).
 
-Every worker (a device along the `data` mesh axis) trains a structured subnetwork on its own batch shard, and
-each parameter is averaged every step over exactly the workers that hold it (HeteroFL's `combine`). No
-activation crosses workers.
+Every worker (a coordinate of the `data` mesh axis: a device, or its fsdp / tensor group) trains a structured
+subnetwork on its own batch shard, and each parameter is averaged every step over exactly the workers that hold
+it (HeteroFL's `combine`). No activation crosses workers.
 
     strategy = sk.sdp.strategy(granularity="block", coverage=0.5, masking="forward", ownership="cyclic")
     step = sk.make_train_step(model, tx, sk.make_mesh({"data": 8}), strategy)
@@ -23,7 +23,8 @@ Masking:
   every split parameter (a `[workers, k, ...]` array sharded over `data`), and so only their gradients and
   optimizer state: per-device bytes = shared + coverage x split. Holder averaging is a ring of `ppermute`s over
   the holder sets (`ring`: for a cyclic table, 2(h - 1) permutes of one slot-set per step with h holders per
-  block, all split parameters packed into one buffer), or a masked `psum` over all groups (`psum`: any table).
+  block, all split parameters packed into one buffer; array by array under fsdp / tensor), or a masked `psum`
+  over all groups (`psum`: any table).
 - `backward`: the full network runs forward, gradients are kept only for the owned part and averaged over the
   holders (a masked `psum`). The paper leaves open how non-owned weights stay current for the forward; here
   every worker keeps a full replica and receives every group's holder-averaged gradient, so all replicas apply

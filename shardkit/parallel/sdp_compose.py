@@ -106,11 +106,6 @@ def layout_shardings(split: Any, full_sharding: NamedSharding, mesh: Mesh, axis:
     return NamedSharding(mesh, P(axis, None, *full_sharding.spec))
 
 
-def average_leaves(leaves: list[jax.Array], average: Any) -> list[jax.Array]:
-    """[k, ...] each -> [k, ...] each: holder averaging array by array (each device its fsdp / tensor shard)."""
-    return [average(x) for x in leaves]
-
-
 def accumulate(grad_fn: Any, params: Any, model_state: Any, batch: Any, m: int) -> Any:
     """((loss, (metrics, state)), grads) of `m` microbatches of a worker's batch shard, means over them.
 
@@ -119,15 +114,17 @@ def accumulate(grad_fn: Any, params: Any, model_state: Any, batch: Any, m: int) 
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
     first = jax.tree.map(lambda x: x[0], micro)
     (loss, (aux, _)), grads = jax.eval_shape(lambda b: grad_fn(params, model_state, b), first)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, grads))
+    wide = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d  # bf16 sums in f32
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, wide(s.dtype)), (loss, aux, grads))
 
     def body(carry: Any, mb: Any) -> tuple[Any, None]:
         acc, state = carry
         (loss, (aux, state)), grads = grad_fn(params, state, mb)
-        return (jax.tree.map(jnp.add, acc, (loss, aux, grads)), state), None
+        return (jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, (loss, aux, grads)), state), None
 
     (total, model_state), _ = jax.lax.scan(body, (zeros, model_state), micro)
-    loss, aux, grads = jax.tree.map(lambda x: x / m, total)
+    back = lambda x, s: (x / m).astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.floating) else x / m
+    loss, aux, grads = jax.tree.map(back, total, (loss, aux, grads))
     return (loss, (aux, model_state)), grads
 
 
