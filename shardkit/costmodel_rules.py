@@ -69,9 +69,7 @@ def state_comms(step: Any, backend: str) -> list[Comm]:
     )
     others = [g for g in groups if g is not batch]
     # a layer-stack kernel other than the scan (a pipeline) runs each stage's layers where they rest
-    layers_kernel = step.strategy.kernels.get("layers", "scan")
-    kernel_keeps_layers = layers_kernel.split(":")[0] != "scan"
-    regathered = ":gather" not in layers_kernel  # "scan:gather" gathers the stacked weights once, fwd and bwd
+    kernel_keeps_layers = step.strategy.kernels.get("layers", "scan") != "scan"
     stage_axes = set(step.bound.param_rules.get("layers") or ())
     names = jax.tree.leaves(step.param_names, is_leaf=lambda x: isinstance(x, tuple))
     shapes = jax.tree.leaves(step.abstract_state().params)
@@ -87,7 +85,7 @@ def state_comms(step: Any, backend: str) -> list[Comm]:
         shard = full / _deg(use, mesh)
         if rest - use:
             b.add("all-gather", order(rest - use), shard, 0, "parameters gathered for the forward")
-            if "layers" in n and regathered:
+            if "layers" in n:
                 b.add("all-gather", order(rest - use), shard, 0, "stacked layers' parameters gathered again in bwd")
         rs, ar = (batch & upd) - use, batch - upd - use
         if rs:

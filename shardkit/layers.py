@@ -34,78 +34,30 @@ from shardkit.batch_layers import (  # noqa: F401  (sk.layers.BatchNorm, ...: la
     norm_groups,
 )
 from shardkit.errors import ShardkitError
-from shardkit.init import logical_names
-from shardkit.rules import constrain, current_context
+from shardkit.rules import current_context
 
 BlockFn = Callable[..., jax.Array]
 StackKernel = Callable[..., jax.Array]
 
 
-def register_stack(
-    name: str, fn: StackKernel, configure: Callable[[str, dict], str] | None = None,
-    check: Callable[[str], Any] | None = None,
-) -> None:  # fmt: skip
+def register_stack(name: str, fn: StackKernel, configure: Callable[[str, dict], str] | None = None) -> None:
     """A strategy with `kernels={"layers": name}` makes `apply_stack` call
     `fn(block_fn, stacked, x, *args, remat, context)`; a name may carry options after a colon ("pipeline:1f1b").
 
     `remat` is the name of the remat kernel that runs (resolved by `apply_stack`): wrap the per-layer body with
     `sk.layers.checkpoint(body, remat)`."""
-    kernels.register("layers", name, fn, configure=configure, check=check)
-
-
-#: The `scan` kernel's options, after colons ("scan:gather", "scan:unroll=2"): see `scan_stack`.
-SCAN_OPTIONS = ("gather", "unroll=<n>")
-
-
-def scan_options(name: str) -> dict[str, Any]:
-    """{"gather": bool, "unroll": int} of a `scan[:option...]` kernel name; a ShardkitError for any other option."""
-    out: dict[str, Any] = {"gather": False, "unroll": 1}
-    for opt in name.split(":")[1:]:
-        key, eq, value = opt.partition("=")
-        if key == "gather" and not eq:
-            out["gather"] = True
-        elif key == "unroll" and value.isdigit() and int(value) >= 1:
-            out["unroll"] = int(value)
-        else:
-            raise ShardkitError(f"layers kernel {name!r}: option {opt!r}; the scan takes {', '.join(SCAN_OPTIONS)} "
-                                "after colons, e.g. 'scan:gather' or 'scan:unroll=2'")  # fmt: skip
-    return out
-
-
-def gathered(stacked: Any) -> Any:
-    """The stacked layers' parameters pinned to their compute layout (the active compute rules), once, before
-    the scan: under fsdp one all-gather per weight for all L layers, instead of one per layer inside the loop
-    (and again in the backward pass under remat); each device then holds every layer's weights whole."""
-    ctx = current_context()
-    if ctx is None:
-        return stacked
-
-    def put(v: Any) -> Any:
-        names = logical_names(v) if isinstance(v, nnx.Variable) else None
-        if names is None or len(names) != v[...].ndim:
-            return v
-        return v.replace(constrain(v[...], names))
-
-    return jax.tree.map(put, stacked, is_leaf=lambda a: isinstance(a, nnx.Variable))
+    kernels.register("layers", name, fn, configure=configure)
 
 
 def scan_stack(
     block_fn: BlockFn, stacked: Any, x: jax.Array, *args: Any, remat: str = "none", context: Any = None
 ) -> jax.Array:
-    """x -> block_fn(stacked[L-1], ... block_fn(stacked[0], x, *args) ..., *args) as one `lax.scan`.
-
-    Options of the kernel name: "scan:gather" puts the stacked parameters in their compute layout before the
-    loop (`gathered`), "scan:unroll=n" unrolls n layers per loop iteration (`lax.scan`'s `unroll`)."""
-    name = context.kernels.get("layers", "scan") if context is not None else "scan"
-    opts = scan_options(name if name.split(":")[0] == "scan" else "scan")  # a pipeline's stages scan plainly
-    if opts["gather"]:
-        stacked = gathered(stacked)
+    """x -> block_fn(stacked[L-1], ... block_fn(stacked[0], x, *args) ..., *args) as one `lax.scan`."""
 
     def body(x: jax.Array, layer: Any) -> tuple[jax.Array, None]:
         return block_fn(layer, x, *args), None
 
-    carry = _varying_like(x, stacked)
-    return jax.lax.scan(checkpoint(body, remat), carry, stacked, unroll=opts["unroll"])[0]
+    return jax.lax.scan(checkpoint(body, remat), _varying_like(x, stacked), stacked)[0]
 
 
 def _varying_like(carry: Any, stacked: Any) -> Any:
@@ -122,7 +74,7 @@ def _varying_like(carry: Any, stacked: Any) -> Any:
     return jax.tree.map(cast, carry) if axes else carry
 
 
-register_stack("scan", scan_stack, check=scan_options)
+register_stack("scan", scan_stack)
 
 
 def unrolled_stack(

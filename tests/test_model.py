@@ -70,42 +70,6 @@ def test_unrolled_layers_kernel_trains_like_the_scan(remat):
     assert step_unr.strategy.kernels["layers"] == "unrolled"
 
 
-@pytest.fixture(scope="module")
-def one_device_sgd():
-    from common import one_device_mesh, train
-
-    return train(one_device_mesh(), "dp")[:2]
-
-
-@pytest.mark.parametrize("layers", ["scan:gather"])
-def test_scan_options_train_like_one_device(layers, one_device_sgd):
-    """fsdp (data=2,fsdp=4, full remat) with the scan's options (shardkit/layers.py `scan_options`) against one
-    device: 3 SGD steps, fp32. Bound: tests/test_parity.py's fp32 one, 1e-4 of the losses and of each parameter
-    array's scale (a mean over 512 tokens is exact to n·u_32 ~ 3e-5 to first order; SGD does not amplify it); a
-    missing or doubled reduction is >= 1e-3. `gather`: the stacked weights are all-gathered before the loop, so
-    no all-gather runs inside it (the plain scan's program has them there, in the forward and the backward)."""
-    from common import make_batch, train
-
-    from shardkit.hlo import collectives
-
-    mesh = sk.make_mesh("data=2,fsdp=4")
-    strategy = sk.strategies.strategy("fsdp").replace(layers=layers, kernels={"remat": "full"})
-    losses, params, step, state = train(mesh, strategy)
-    want_losses, want_params = one_device_sgd
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
-        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-    if "gather" in layers:
-        colls = collectives(step.lower(state, make_batch()).compile(), mesh)
-        assert any(c.kind == "all-gather" for c in colls)
-        assert not [c for c in colls if c.kind == "all-gather" and c.in_loop]
-
-
-def test_bad_scan_option_is_refused_before_tracing():
-    with pytest.raises(sk.ShardkitError, match=r"option 'gathr'; the scan takes gather, unroll=<n>"):
-        sk.kernels.check({"layers": "scan:gathr"})
-
-
 def reference_attention(q, k, v, mask):
     """Plain softmax attention with K/V heads repeated for GQA (query head n uses kv head n // group)."""
     g = q.shape[2] // k.shape[2]
