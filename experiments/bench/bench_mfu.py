@@ -79,6 +79,18 @@ RUNS = (
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
+def runs_of(spec: str) -> tuple[tuple[str, str, str, str], ...]:
+    """RUNS, or the runs `--runs` names ("strategy/mesh/layers;..."), labelled by their device count."""
+    if not spec:
+        return RUNS
+    out = []
+    for item in filter(None, spec.split(";")):
+        strategy, mesh, layers = item.split("/")
+        n = int(np.prod([int(a.split("=")[1]) for a in mesh.split(",")]))
+        out.append((f"{n} device{'s' * (n > 1)}", mesh, strategy, layers))
+    return tuple(out)
+
+
 def classify(hlo_text: str) -> tuple[dict[str, str], dict[str, str]]:
     """HLO instruction name -> matmul | collective | elementwise | container, and -> the JAX op it came from
     (its `op_name` metadata), from the compiled module's text."""
@@ -202,6 +214,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt_tiny,gpt_mid,gpt_small")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--runs",
+        default="",
+        help="only these runs, each strategy/mesh/layers separated by ';', "
+        "e.g. 'fsdp/data=2,fsdp=4/scan;fsdp/data=2,fsdp=4/scan:gather' (default: RUNS)",
+    )
     parser.add_argument("--out", default=f"{RESULTS}/bench_mfu.json")
     args = parser.parse_args(argv)
     configs = model_configs()
@@ -209,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         cfg, batch_size, seq = configs[name]
         runs = []
-        for label, spec, strategy, layers in RUNS:
+        for label, spec, strategy, layers in runs_of(args.runs):
             r = run(cfg, batch_size, seq, spec, strategy, layers, args.steps)
             print(f"{name} {label} {strategy} {spec} layers={layers}: {r['step_s']:.3f} s/step, MFU {r['mfu']:.1%}",
                   flush=True)  # fmt: skip

@@ -4,8 +4,11 @@
 
 The GPT of models/gpt.py at the JSON's shape, fp32, the `fsdp` strategy on mesh fsdp=<every device>, the
 training runs' optimizer (experiments/optim.py: AdamW, warmup + cosine, clipping at 1.0, weight decay 0.1, as
-MaxText's defaults), the layers under the `scan` kernel, remat as the JSON says ("full" or "none"). One random
-batch, reused every step. Lines to the parent on stdout, prefixed by `@@peer `:
+MaxText's defaults), the layers under the `scan` kernel, remat as the JSON's setting says ("full", "none" or
+"dots", with a layers kernel after a "+": "none+unrolled"). One random batch, reused every step. Optional
+keys (experiments/bench/bench_levers.py varies them): "mesh" (default fsdp=<every device>) and "kernels" (slot ->
+kernel over the strategy's table, e.g. {"layers": "unrolled"}).
+Lines to the parent on stdout, prefixed by `@@peer `:
 
     -> {"ready": true, "first_step_s": ...}      after compiling and running two warm-up steps
     <- "steps N" on stdin                          -> {"times": [N seconds]}
@@ -38,13 +41,18 @@ def main() -> None:
     from models.gpt import GPT, GPTConfig
 
     devices = jax.device_count()
+    # a setting is a remat policy, optionally with a layers kernel after "+": "full", "none+unrolled"
+    remat, _, layers = m["shardkit_remat"].partition("+")
+    kernels = {**m.get("kernels", {}), **({"layers": layers} if layers else {})}
     cfg = GPTConfig(
         vocab_size=m["vocab"], num_layers=m["layers"], d_model=m["d_model"], num_heads=m["heads"],
         num_kv_heads=m["kv_heads"], head_dim=m["head_dim"], mlp_dim=m["mlp_dim"], max_seq_len=m["seq"],
-        dtype="float32", remat=m["shardkit_remat"],
+        dtype="float32", remat=remat,
     )  # fmt: skip
-    mesh = sk.make_mesh(f"fsdp={devices}")
+    mesh = sk.make_mesh(m.get("mesh") or f"fsdp={devices}")
     strategy = sk.strategy("fsdp")
+    if kernels:
+        strategy = strategy.replace(kernels=kernels)
     model = sk.sharded_init(lambda rngs: GPT(cfg, rngs=rngs), mesh, strategy)
     optimizer, _ = make_optimizer(base.get_config().optimizer, steps=10_000)
     step_fn = sk.make_train_step(model, optimizer, mesh, strategy)
