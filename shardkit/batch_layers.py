@@ -138,7 +138,6 @@ class BatchNorm(nnx.BatchNorm):
         self.mean[...], self.var[...] = decay(self.mean[...], mean), decay(self.var[...], var)
         return y.reshape(x.shape).astype(self.dtype or x.dtype)
 
-
     def _check_options(self, groups: int, local: Any) -> None:
         """The options this layer's own statistics implement; the others are refused, not ignored."""
         defaults = {"axis": -1, "use_scale": True, "use_bias": True, "axis_name": None, "use_fast_variance": True}
