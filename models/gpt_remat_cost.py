@@ -32,10 +32,11 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit.errors import ShardkitError
+from shardkit.layers import REMAT_POLICIES
 
 #: elementwise FLOPs per element of the recomputed non-matmul work (the convention above)
 NORM, ROPE, SOFTMAX, SWIGLU = 5, 6, 5, 5
-POLICIES = ("none", "full", "dots", "dots_no_batch")  # + "names:<a,b>"
+POLICIES = REMAT_POLICIES  # + "names:<a,b>"
 
 
 def _shape(cfg: Any) -> tuple[int, int, int, int, int]:

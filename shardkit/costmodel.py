@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from shardkit.errors import ShardkitError
+from shardkit.layers import REMAT_POLICIES  # the policies `plan` tries per (strategy, mesh) by default
 from shardkit.mesh import HardwarePreset, Link, load_preset, preset_dirs
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -257,8 +258,6 @@ def register_plan_hook(fn: Callable[..., Plan]) -> Callable[..., Plan]:
 #: How `plan` ranks, printed under `format_plans`' table.
 RANKING = ("ranked by: fits first, then predicted step time = comm ms + recompute ms, recompute ms = recompute "
            "FLOPs / (peak x efficiency {eff:.0%}); ties: fewer recompute FLOPs")  # fmt: skip
-#: The remat policies `plan` tries per (strategy, mesh) by default (the `remat` kernel slot's names).
-REMAT_POLICIES = ("none", "dots", "dots_no_batch", "full")
 
 
 def rank_key(p: Plan) -> tuple[bool, float, float]:

@@ -113,7 +113,9 @@ DEFAULTS = kernels.DEFAULTS
 DEFAULTS.setdefault("remat", "none")
 
 #: The remat policies, as they are written (`names:` / `offload:` take a comma-separated list of tagged names).
-REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "names:<a,b>", "offload:<a,b>")
+#: The named policies that take no argument: what the planner, `explain --remat_policies=all` and bench_memory try.
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_CHOICES = (*REMAT_POLICIES, "names:<a,b>", "offload:<a,b>")
 #: The host memory kind offloaded residuals go to, and what a backend must have for `offload:`.
 OFFLOAD_DST = offload.HOST
 

@@ -24,9 +24,10 @@ from typing import Any
 
 from shardkit import hlo
 from shardkit.dispatch import make_train_step
+from shardkit.layers import REMAT_POLICIES
 
 #: The policies the table measures by default (`names:` / `offload:` need a model's tag names: pass them).
-POLICIES = ("none", "full", "dots", "dots_no_batch")
+POLICIES = REMAT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)

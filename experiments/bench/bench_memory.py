@@ -45,7 +45,7 @@ from models.gpt import GPT
 from shardkit.remat_figures import figures
 
 GPT_BATCH, GPT_SEQ = 8, 64
-POLICIES = ("none", "full", "dots", "dots_no_batch")
+POLICIES = sk.layers.REMAT_POLICIES
 NAMES = {"gpt_small": "names:attn_out", "cosmoflow_tiny": "names:conv0,conv1"}  # each model's tags (docs/memory.md)
 
 
