@@ -5,6 +5,8 @@
 
 Each lever is bench_peers.py's shardkit child (`peer_shardkit.py`: the GPT at a MODELS shape, fp32, the training
 runs' AdamW, strategy `fsdp`) with one thing changed: a remat policy, a layers kernel, or XLA flags (LEVERS).
+A lever's name followed by `@host` (`remat_none@host`) runs it with experiments/host_malloc.py's allocator
+settings instead of glibc's defaults, as bench_peers.py's settings do.
 The levers that needed code of their own (the stacked weights gathered once before the scan, the scan unrolled
 2 layers per iteration: the layers kernels `scan:gather` / `scan:unroll=2` of commit 815421b, reverted after it)
 run only with that commit's code applied (`git cherry-pick -n 815421b`); without it they are skipped, not run
@@ -26,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.bench_peers import MODELS, Child, child_env
+from experiments.bench.bench_peers import HOST, MODELS, Child, child_env
 from experiments.bench.timing import RESULTS, save_json
 
 #: name -> (changes to the peer child's JSON, extra XLA flags)
@@ -54,19 +56,33 @@ def has_scan_options() -> bool:
     return hasattr(shardkit.layers, "scan_options")
 
 
+def lever_of(name: str) -> tuple[dict[str, Any], str]:
+    """A lever's (changes to the peer child's JSON, extra XLA flags); `name@host` is `name` under host_malloc."""
+    return LEVERS[name.removesuffix(HOST)]
+
+
 def argv_of(name: str, model: dict[str, int], mesh: str) -> list[str]:
-    changes, flags = LEVERS[name]
-    spec = json.dumps({**model, "mesh": mesh, **changes})
-    cmd = [sys.executable, "-m", "experiments.bench.peer_shardkit", spec]
-    if flags:  # the child's XLA_FLAGS: bench_peers' (8 devices) plus the lever's
-        cmd = ["env", f"XLA_FLAGS={child_env()['XLA_FLAGS']} {flags}", *cmd]
-    return cmd
+    spec = json.dumps({**model, "mesh": mesh, **lever_of(name)[0]})
+    return [sys.executable, "-m", "experiments.bench.peer_shardkit", spec]
+
+
+def env_of(name: str) -> dict[str, str]:
+    """The child's environment: bench_peers' (8 devices, the allocator settings) plus the lever's XLA flags."""
+    env = child_env("host" if name.endswith(HOST) else "glibc")
+    flags = lever_of(name)[1]
+    if flags:
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {flags}"
+    return env
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mid", help=f"of {', '.join(MODELS)}")
-    parser.add_argument("--levers", default="base,remat_none,remat_dots", help=f"of {', '.join(LEVERS)}; first = base")
+    parser.add_argument(
+        "--levers",
+        default="base,remat_none,remat_dots",
+        help=f"of {', '.join(LEVERS)}, each optionally @host; first = base",
+    )
     parser.add_argument("--mesh", default="fsdp=8")
     parser.add_argument("--batch", type=int, default=0, help="global batch (0: the model's in bench_peers)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -82,12 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     load_before = [round(x, 2) for x in os.getloadavg()]
     try:
         for name in list(names):
-            if ":" in LEVERS[name][0].get("kernels", {}).get("layers", "") and not has_scan_options():
+            if ":" in lever_of(name)[0].get("kernels", {}).get("layers", "") and not has_scan_options():
                 print(f"  {name}: skipped, needs commit 815421b's scan options (git cherry-pick -n 815421b)")
                 names.remove(name)
                 continue
             try:
-                children[name] = Child("shardkit", name, argv_of(name, model, args.mesh), logs / f"{name}.log")
+                children[name] = Child("shardkit", name, argv_of(name, model, args.mesh), logs / f"{name}.log",
+                                       env_of(name))  # fmt: skip
             except RuntimeError as e:  # e.g. an XLA flag this jaxlib does not know (XLA aborts on those)
                 print(f"  {name}: did not start ({e})", flush=True)
                 names.remove(name)
@@ -108,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model} on {args.mesh} (load {load_before} -> {result['load_after']}); x = {base} / lever, > 1 faster")
     for n in names:
         per_round = [a / b for a, b in zip(rounds[base], rounds[n], strict=True)]
-        result["levers"][n] = {"what": LEVERS[n][0], "xla_flags": LEVERS[n][1], "round_s": rounds[n],
+        result["levers"][n] = {"what": lever_of(n)[0], "xla_flags": lever_of(n)[1],
+                               "malloc": "host" if n.endswith(HOST) else "glibc", "round_s": rounds[n],
                                "median_s": statistics.median(rounds[n]), "x_median": statistics.median(per_round),
                                "x_min": min(per_round), "x_max": max(per_round),
                                "startup_s": children[n].startup_s}  # fmt: skip

@@ -1,8 +1,8 @@
 """shardkit's train step against MaxText's on the same decoder, fsdp over 8 CPU devices: step time and start-up.
 
-    python -m experiments.bench.bench_peers [--models tiny,mid] [--shardkit-remat full,none]
-        [--maxtext-remat full,minimal] [--rounds 5] [--steps 5] [--maxtext-python /work/venv-maxtext/bin/python]
-        [--out experiments/bench/results/bench_peers.json]
+    python -m experiments.bench.bench_peers [--models tiny,mid] [--shardkit-remat full,none,none@host]
+        [--maxtext-remat full,full@host,minimal] [--rounds 5] [--steps 5]
+        [--maxtext-python /work/venv-maxtext/bin/python] [--out experiments/bench/results/bench_peers.json]
 
 MaxText is not a dependency of shardkit. It needs Python >= 3.12 and its wheel declares its requirements only
 under extras (`cuda12`, `tpu`, ...): a plain `pip install maxtext` installs the package without JAX. The `tpu`
@@ -23,14 +23,15 @@ MaxText's `full` does; `none` keeps the activations; MaxText's `minimal` saves m
 setting computes the same model and the same gradients.
 
 Each (side, setting) runs in its own process (MaxText in its venv), started one after another: start-up to first
-step is the wall time from launching it to the end of its first train step (imports, building the model and
-state, tracing, compiling: no persistent compile cache on either side; one sample each). Then the processes
-stay up and the timing alternates between them: `--rounds` rounds, each running `--steps` steps of every
-process in turn (the order reversed every other round), so that load from other work on the host hits all
-alike; a process's round time is the median of its steps. Ratios are per round (MaxText's median / shardkit's
-median), then the median over rounds, with the range of the per-round ratios: a ratio > 1 means shardkit is
-faster. The 8 virtual devices share the host's cores: these are the total CPU work of a step, not a cluster's
-critical path. Nothing is asserted.
+step is the wall time from launching it to the end of its first train step (imports, building the model and state,
+tracing, compiling: no persistent compile cache on either side; one sample each). Then the processes stay up and the
+timing alternates between them: `--rounds` rounds, each running `--steps` steps of every process in turn (the order
+reversed every other round), so that load from other work on the host hits all alike; a process's round time is the
+median of its steps. Ratios are per round (MaxText's median / shardkit's median), then the median over rounds, with
+the range of the per-round ratios: a ratio > 1 means shardkit is faster. A setting may end in `@host`: that process
+runs with experiments/host_malloc.py's allocator settings (glibc keeps freed memory instead of returning it to the
+kernel and faulting it back in every step); without it, with glibc's defaults. The 8 virtual devices share the
+host's cores: these are the total CPU work of a step, not a cluster's critical path. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench.timing import RESULTS, save_json
+from experiments.host_malloc import HOST_MALLOC
 
 ROOT = Path(__file__).resolve().parents[2]
 MAXTEXT_PYTHON = os.environ.get("MAXTEXT_PYTHON", "/work/venv-maxtext/bin/python")
@@ -58,6 +60,7 @@ INSTALL = (
     "then rerun (or point --maxtext-python / MAXTEXT_PYTHON at that venv's python)."
 )
 PREFIX = "@@peer "
+HOST = "@host"  # a setting's suffix: that process runs with experiments/host_malloc.py's allocator settings
 #: name -> shape: the issue's matched tiny decoder (experiments/configs gpt_tiny), bench_mfu's gpt_mid, gpt_small
 MODELS: dict[str, dict[str, int]] = {
     "tiny": dict(layers=4, d_model=128, heads=4, kv_heads=4, head_dim=32, mlp_dim=512, vocab=384, seq=128, batch=32),
@@ -67,12 +70,21 @@ MODELS: dict[str, dict[str, int]] = {
 }  # fmt: skip
 
 
-def child_env() -> dict[str, str]:
+def child_env(malloc: str = "glibc") -> dict[str, str]:
+    """A child's environment: 8 CPU devices, no compile cache, and `malloc` "glibc" (the C library's defaults)
+    or "host" (experiments/host_malloc.py's settings)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = (flags + " --xla_force_host_platform_device_count=8").strip()
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # cold compiles on both sides
+    if malloc == "host":
+        env.update(HOST_MALLOC)
+    elif malloc == "glibc":
+        for name in HOST_MALLOC:
+            env.pop(name, None)
+    else:
+        raise ValueError(f"malloc={malloc!r}: 'host' or 'glibc'")
     return env
 
 
@@ -88,11 +100,11 @@ def maxtext_version(python: str) -> str | None:
 class Child:
     """One (side, setting) process: started, waited for until its first steps ran, then driven by `steps`."""
 
-    def __init__(self, side: str, setting: str, argv: list[str], log: Path) -> None:
+    def __init__(self, side: str, setting: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.side, self.setting, self.log = side, setting, log
         t = time.perf_counter()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
-                                     text=True, cwd=ROOT, env=child_env())  # fmt: skip
+                                     text=True, cwd=ROOT, env=env or child_env())  # fmt: skip
         self.ready = self._read()
         self.startup_s = time.perf_counter() - t
 
@@ -120,8 +132,8 @@ class Child:
 
 def run_model(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     m = MODELS[name]
-    sk_json = lambda r: json.dumps({**m, "shardkit_remat": r})
-    mt_json = lambda r: json.dumps({**m, "maxtext_remat": r})
+    sk_json = lambda r: json.dumps({**m, "shardkit_remat": r.removesuffix(HOST)})
+    mt_json = lambda r: json.dumps({**m, "maxtext_remat": r.removesuffix(HOST)})
     mt_script = str(ROOT / "experiments/bench/peer_maxtext.py")
     specs = [("shardkit", r, [sys.executable, "-m", "experiments.bench.peer_shardkit", sk_json(r)])
              for r in args.shardkit_remat.split(",")]  # fmt: skip
@@ -129,7 +141,8 @@ def run_model(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]
     children: list[Child] = []
     try:
         for side, setting, argv in specs:
-            children.append(Child(side, setting, argv, logs / f"{name}_{side}_{setting}.log"))
+            env = child_env("host" if setting.endswith(HOST) else "glibc")
+            children.append(Child(side, setting, argv, logs / f"{name}_{side}_{setting}.log", env))
             print(f"  {name} {side} remat={setting}: first step after {children[-1].startup_s:.1f} s", flush=True)
         rounds: dict[str, list[float]] = {f"{c.side}:{c.setting}": [] for c in children}
         for r in range(args.rounds):
@@ -156,7 +169,8 @@ def run_model(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"train step, fsdp over 8 CPU devices, fp32, AdamW (host load {result['load_before']} before, "
-             f"{result['load_after']} after; x = MaxText / shardkit, > 1: shardkit faster)"]  # fmt: skip
+             f"{result['load_after']} after; @host: experiments/host_malloc.py's allocator; x = MaxText / shardkit, "
+             "> 1: shardkit faster)"]  # fmt: skip
     lines.append(f"{'model':<6} {'side':<9} {'remat':<8} {'params':>10} {'step ms':>8} {'first step s':>12} "
                  f"{'x vs MaxText full':>18}")  # fmt: skip
     for name, res in result["models"].items():
@@ -177,8 +191,8 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,mid", help=f"of {', '.join(MODELS)}")
-    parser.add_argument("--shardkit-remat", default="full,none")
-    parser.add_argument("--maxtext-remat", default="full,minimal")
+    parser.add_argument("--shardkit-remat", default="full,none,none@host", help="settings; @host: host_malloc")
+    parser.add_argument("--maxtext-remat", default="full,full@host,minimal", help="settings; @host: host_malloc")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per process per round")
     parser.add_argument("--maxtext-python", default=MAXTEXT_PYTHON)
@@ -194,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"maxtext": version, "maxtext_python": args.maxtext_python,
                               "load_before": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-                              "rounds": args.rounds, "steps": args.steps, "models": {}}  # fmt: skip
+                              "rounds": args.rounds, "steps": args.steps, "host_malloc": HOST_MALLOC,
+                              "models": {}}  # fmt: skip
     for name in args.models.split(","):
         result["models"][name] = run_model(name, args, logs)
     result["load_after"] = [round(x, 2) for x in os.getloadavg()]

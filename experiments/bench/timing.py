@@ -4,7 +4,7 @@
     t = time_calls(lambda: compiled(state, batch), reps=5)             # warm-up, then 5 timed calls
     t.median, t.best, t.spread, t.times, t.out                         # seconds; the last call's output
     t, state, metrics = time_steps(compiled, state, batch, reps=10)    # train steps, the state carried
-    ts = time_interleaved({"a": fa, "b": fb}, reps=5)                  # runs alternate between programs
+    ts = time_interleaved({"a": fa, "b": fb}, reps=5, shuffle=0)       # runs alternate (random order)
     out, seconds = timed(fn, *args)                                    # one call, blocked until ready
     gpt_batch(vocab, batch, seq, step.batch_sharding)                  # random int32 inputs / targets
     save_json(result, f"{RESULTS}/bench_x.json")
@@ -81,17 +81,24 @@ def compile_timed(fn: Any, *args: Any) -> Compiled:
     return Compiled(program, lower_s, time.perf_counter() - t - lower_s)
 
 
-def time_interleaved(fns: Mapping[str, Callable[[], Any]], reps: int, warmup: int = 1) -> dict[str, Timing]:
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]], reps: int, warmup: int = 1, shuffle: int | None = None
+) -> dict[str, Timing]:
     """name -> Timing of `reps` calls of each program, after `warmup` calls of each. The calls alternate between
-    the programs (a round of each, `reps` times), so that load from other work on a shared host hits all alike."""
+    the programs (a round of each, `reps` times), so that load from other work on a shared host hits all alike.
+    `shuffle` (a seed): each round runs the programs in a new random order, so that no program always follows
+    the same one (a program that frees gigabytes leaves the next one to fault fresh pages in: a fixed order
+    charges that to one program every round)."""
     outs = {}
     for _ in range(warmup):
         for name, fn in fns.items():
             outs[name] = jax.block_until_ready(fn())
     times: dict[str, list[float]] = {name: [] for name in fns}
+    rng = np.random.default_rng(shuffle)
     for _ in range(reps):
-        for name, fn in fns.items():
-            outs[name], seconds = timed(fn)
+        order = list(fns) if shuffle is None else [list(fns)[i] for i in rng.permutation(len(fns))]
+        for name in order:
+            outs[name], seconds = timed(fns[name])
             times[name].append(seconds)
     return {name: Timing(times[name], outs.get(name)) for name in fns}
 
