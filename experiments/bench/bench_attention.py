@@ -58,7 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import shardkit as sk
 from experiments.bench.bench_mfu import peak_of
-from experiments.bench.timing import RESULTS, save_json, time_interleaved
+from experiments.bench.timing import RESULTS, save_json, time_calls, time_interleaved
 from shardkit.attention.chunking import default_chunk
 from shardkit.attention.layouts import layout_perm
 
@@ -175,7 +175,7 @@ def timing(seq: int, reps: int, peer: Any, dense_max: int, chunks: tuple[int, ..
     results = {}
     if seq <= dense_max:  # timed apart: it frees [S, S] scores per head, and whatever ran next paid the pages
         dense_1dev = functools.partial(jax.jit(fwd_bwd(dense)), *jax.device_put((q, k, v, do), jax.devices()[0]))
-        results["dense_1dev"] = time_interleaved({"dense_1dev": dense_1dev}, reps)["dense_1dev"]
+        results["dense_1dev"] = time_calls(dense_1dev, reps)
     placed = {}
     for name, (spec, layout, attn) in kernels.items():
         fn, sharding = sharded_program(spec, attn)

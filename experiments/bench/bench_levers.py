@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.bench_peers import HOST, MODELS, Child, child_env
+from experiments.bench.bench_peers import HOST, MODELS, Child, child_env, malloc_of
 from experiments.bench.timing import RESULTS, save_json
 
 #: name -> (changes to the peer child's JSON, extra XLA flags)
@@ -68,7 +68,7 @@ def argv_of(name: str, model: dict[str, int], mesh: str) -> list[str]:
 
 def env_of(name: str) -> dict[str, str]:
     """The child's environment: bench_peers' (8 devices, the allocator settings) plus the lever's XLA flags."""
-    env = child_env("host" if name.endswith(HOST) else "glibc")
+    env = child_env(malloc_of(name))
     flags = lever_of(name)[1]
     if flags:
         env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {flags}"
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in names:
         per_round = [a / b for a, b in zip(rounds[base], rounds[n], strict=True)]
         result["levers"][n] = {"what": lever_of(n)[0], "xla_flags": lever_of(n)[1],
-                               "malloc": "host" if n.endswith(HOST) else "glibc", "round_s": rounds[n],
+                               "malloc": malloc_of(n), "round_s": rounds[n],
                                "median_s": statistics.median(rounds[n]), "x_median": statistics.median(per_round),
                                "x_min": min(per_round), "x_max": max(per_round),
                                "startup_s": children[n].startup_s}  # fmt: skip

@@ -70,6 +70,11 @@ MODELS: dict[str, dict[str, int]] = {
 }  # fmt: skip
 
 
+def malloc_of(setting: str) -> str:
+    """A setting's allocator: "host" (experiments/host_malloc.py) when it ends in `@host`, else "glibc"."""
+    return "host" if setting.endswith(HOST) else "glibc"
+
+
 def child_env(malloc: str = "glibc") -> dict[str, str]:
     """A child's environment: 8 CPU devices, no compile cache, and `malloc` "glibc" (the C library's defaults)
     or "host" (experiments/host_malloc.py's settings)."""
@@ -141,7 +146,7 @@ def run_model(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]
     children: list[Child] = []
     try:
         for side, setting, argv in specs:
-            env = child_env("host" if setting.endswith(HOST) else "glibc")
+            env = child_env(malloc_of(setting))
             children.append(Child(side, setting, argv, logs / f"{name}_{side}_{setting}.log", env))
             print(f"  {name} {side} remat={setting}: first step after {children[-1].startup_s:.1f} s", flush=True)
         rounds: dict[str, list[float]] = {f"{c.side}:{c.setting}": [] for c in children}
