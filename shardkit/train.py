@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardkit.accumulate import accumulate, split_microbatches
 from shardkit.batch import Batch
 from shardkit.clipping import clip_by_global_norm, global_norm, norm_weights
 from shardkit.dispatch import make_train_step, register_step
@@ -47,26 +48,15 @@ class GSPMDStep(TrainStep):
         per microbatch.
         """
         m = self.microbatches
-        # Strided split: row r goes to microbatch r % m, so each microbatch keeps the batch's sharding.
-        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
         axes = self.bound.compute_rules.get("batch") or ()
         d = math.prod(self.mesh.shape[a] for a in axes)
         value_and_grad = jax.value_and_grad(self.apply, has_aux=True)
-        first = jax.tree.map(lambda x: x[0], micro)
-        if self.has_model_state or d == 1:
-
-            def body(carry: Any, mb: Batch) -> tuple[Any, None]:
-                acc, state = carry
-                (loss, (aux, state)), grads = value_and_grad(params, state, mb)
-                return (jax.tree.map(jnp.add, acc, (loss, aux, grads)), state), None
-
-            shapes = jax.eval_shape(lambda mb: value_and_grad(params, model_state, mb), first)
-            (loss, (aux, _)), grads = shapes
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, grads))
-            (total, model_state), _ = jax.lax.scan(body, (zeros, model_state), micro)
-            loss, aux, grads = jax.tree.map(lambda x: x / m, total)
+        if self.has_model_state or d == 1:  # sequential, the state carried (shardkit/accumulate.py)
+            (loss, (aux, model_state)), grads = accumulate(value_and_grad, params, model_state, batch, m)
             return loss, aux, grads, model_state
 
+        micro = split_microbatches(batch, m)  # each microbatch keeps the batch's sharding
+        first = jax.tree.map(lambda x: x[0], micro)
         local_rules = {**self.bound.compute_rules, "batch": None}  # the shard axis carries the batch sharding
         per_shard = jax.vmap(
             lambda p, b: value_and_grad(p, model_state, b, local_rules), in_axes=(None, 0), spmd_axis_name=axes
@@ -77,13 +67,13 @@ class GSPMDStep(TrainStep):
             (loss, (aux, _)), grads = per_shard(params, split(mb))
             return loss, aux, grads
 
-        def accumulate(carry: Any, mb: Batch) -> tuple[Any, None]:
+        def add(carry: Any, mb: Batch) -> tuple[Any, None]:
             return jax.tree.map(jnp.add, carry, grad_fn(mb)), None
 
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, first))
         unreduced = NamedSharding(self.mesh, PartitionSpec(axes))
         zeros = jax.lax.with_sharding_constraint(zeros, jax.tree.map(lambda _: unreduced, zeros))
-        total, _ = jax.lax.scan(accumulate, zeros, micro)
+        total, _ = jax.lax.scan(add, zeros, micro)
         loss, aux, grads = jax.tree.map(lambda x: x.sum(axis=0) / (m * d), total)
         return loss, aux, grads, model_state
 

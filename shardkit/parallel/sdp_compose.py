@@ -1,4 +1,4 @@
-"""SDP composed with FSDP and Megatron tensor parallelism inside each worker, and gradient accumulation.
+"""SDP composed with FSDP and Megatron tensor parallelism inside each worker.
 
 Subnetwork data parallelism (Singh et al., arXiv 2507.09029) makes each `data` coordinate a worker holding k of
 the G blocks (sdp.py). With a mesh `data=D, fsdp=F` (or `tensor=T`) each worker is the F (or T) devices that
@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -106,28 +105,6 @@ def layout_shardings(split: Any, full_sharding: NamedSharding, mesh: Mesh, axis:
     return NamedSharding(mesh, P(axis, None, *full_sharding.spec))
 
 
-def accumulate(grad_fn: Any, params: Any, model_state: Any, batch: Any, m: int) -> Any:
-    """((loss, (metrics, state)), grads) of `m` microbatches of a worker's batch shard, means over them.
-
-    Strided split like the GSPMD step's (row r to microbatch r mod m, so each keeps the shard's layout); model
-    state (BatchNorm statistics, RNG counters) carried from microbatch to microbatch as one device would."""
-    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
-    first = jax.tree.map(lambda x: x[0], micro)
-    (loss, (aux, _)), grads = jax.eval_shape(lambda b: grad_fn(params, model_state, b), first)
-    wide = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d  # bf16 sums in f32
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, wide(s.dtype)), (loss, aux, grads))
-
-    def body(carry: Any, mb: Any) -> tuple[Any, None]:
-        acc, state = carry
-        (loss, (aux, state)), grads = grad_fn(params, state, mb)
-        return (jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, (loss, aux, grads)), state), None
-
-    (total, model_state), _ = jax.lax.scan(body, (zeros, model_state), micro)
-    back = lambda x, s: (x / m).astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.floating) else x / m
-    loss, aux, grads = jax.tree.map(back, total, (loss, aux, grads))
-    return (loss, (aux, model_state)), grads
-
-
 def degree(names: tuple, rules: dict[str, MeshAxes], mesh: Mesh) -> int:
     """How many devices split an array named `names` under `rules` (the product of its mapped mesh axes)."""
     return math.prod(mesh.shape[a] for n in (names or ()) if n is not None for a in (rules.get(n) or ()))
@@ -148,4 +125,4 @@ def state_bytes(step: Any) -> int:
     return round(total)
 
 
-__all__ = ["INNER_AXES", "accumulate", "inner_axes", "inner_rules", "manual_spec", "state_bytes"]
+__all__ = ["INNER_AXES", "inner_axes", "inner_rules", "manual_spec", "state_bytes"]

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardkit import batch as batching
+from shardkit.accumulate import accumulate
 from shardkit.clipping import global_norm, norm_weights
 from shardkit.dispatch import register_step
 from shardkit.errors import ShardkitError
@@ -41,7 +42,6 @@ from shardkit.parallel.sdp import (
 )
 from shardkit.parallel.sdp import strategy as sdp_strategy
 from shardkit.parallel.sdp_compose import (
-    accumulate,
     inner_axes,
     inner_rules,
     inner_tracing,
