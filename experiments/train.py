@@ -117,7 +117,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
                               microbatches=config.microbatches)  # fmt: skip
     step.check_batch(task.batch_spec())
     if isinstance(task, ImageTask | VolumeTask):  # the validation batches too (evaluate checks them like training)
-        step.check_batch(task.batch_spec(size=task.val_batch_size), microbatches=1)
+        step.check_batch(task.batch_spec(size=task.val_batch_size), evaluation=True)
     name = config.name or f"{config.config_name}-{config.strategy}"
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
         raise sk.ShardkitError(f"name={name!r}: a run name is one folder name under run_dir (no '/', no '..')")

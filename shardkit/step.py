@@ -332,17 +332,18 @@ class TrainStep(abc.ABC):
             raise ShardkitError("batch_axes is a pytree: use step.batch_shardings(batch) for its shardings")
         return NamedSharding(self.mesh, logical_to_spec(self.batch_axes, self.bound.compute_rules, self.mesh))
 
-    def check_batch(self, batch: Batch, microbatches: int | None = None) -> None:
-        """The batch fits the mesh and the microbatches (shardkit/batch.py), before XLA sees it."""
-        m = self.microbatches if microbatches is None else microbatches
+    def check_batch(self, batch: Batch, microbatches: int | None = None, *, evaluation: bool = False) -> None:
+        """The batch fits the mesh and the microbatches (shardkit/batch.py), before XLA sees it; `evaluation=True`:
+        a batch for `evaluate`, which takes it whole (no microbatches)."""
+        m = 1 if evaluation else self.microbatches if microbatches is None else microbatches
         batching.check(batch, self.batch_names(batch), self.bound.compute_rules, self.mesh, m)
 
-    def prepared(self, batch: Batch, microbatches: int | None = None) -> tuple[Any, Any]:
-        """(jit key, shardings) of a checked batch; the check runs once per batch signature, not every step."""
-        m = self.microbatches if microbatches is None else microbatches
+    def prepared(self, batch: Batch, *, evaluation: bool = False) -> tuple[Any, Any]:
+        """(jit key, shardings) of a checked training (or `evaluation`) batch; the check runs once per batch
+        signature, not every step."""
         leaves, treedef = jax.tree.flatten(batch)
         shapes = tuple(tuple(getattr(x, "shape", ())) for x in leaves)
-        signature = (treedef, shapes, tuple(str(getattr(x, "dtype", "")) for x in leaves), m)
+        signature = (treedef, shapes, tuple(str(getattr(x, "dtype", "")) for x in leaves), evaluation)
         first = signature not in self._checked
         # The model's own checks first (`validate_batch`: the keys, ranks and dtypes its loss reads, on any batch,
         # abstract ones included; the GPT's token ids in [0, vocab) on concrete ones; it knows what its loss needs
@@ -352,7 +353,7 @@ class TrainStep(abc.ABC):
         if validate is not None and (first or any(isinstance(x, np.ndarray) for x in leaves)):
             validate(batch)
         if first:  # a batch structure, shapes and dtypes not seen before: the layout checks, once
-            self.check_batch(batch, m)
+            self.check_batch(batch, evaluation=evaluation)
             self._checked[signature] = self.batch_shardings(batch)
         return (treedef, tuple(map(len, shapes))), self._checked[signature]
 
@@ -419,7 +420,7 @@ class TrainStep(abc.ABC):
                 raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
             model_state = self.unwrap_keys(self.initial_model_state)
         check_alive((params, model_state), "this state")
-        key, shardings = self.prepared(batch, microbatches=1)  # evaluation takes the batch whole
+        key, shardings = self.prepared(batch, evaluation=True)  # evaluation takes the batch whole
         self.jit(key, shardings)
         return self.cache["eval", key](params, model_state, batching.place(batch, shardings))
 

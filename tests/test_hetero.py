@@ -105,6 +105,12 @@ def test_hetero_step_errors():
     step = sk.make_train_step(model, optax.sgd(0.1), mesh, sk.hetero.strategy([1] * 8, microbatch=2))
     with pytest.raises(sk.ShardkitError, match="need exactly 16"):
         step(step.init_state(), make_batch(8, 16, CFG.vocab_size))
+    # a training batch is checked as one whatever microbatches says; only `evaluation=True` takes the even split
+    with pytest.raises(sk.ShardkitError, match="need exactly 16"):
+        step.check_batch(make_batch(8, 16, CFG.vocab_size), microbatches=1)
+    step.check_batch(make_batch(8, 16, CFG.vocab_size), evaluation=True)
+    with pytest.raises(sk.ShardkitError, match="divisible"):
+        step.check_batch(make_batch(12, 16, CFG.vocab_size), evaluation=True)
 
 
 def test_cli_trains_balanced_on_a_heterogeneous_preset(tmp_path, capsys):

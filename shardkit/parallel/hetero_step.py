@@ -121,11 +121,11 @@ class HeteroTrainStep(TrainStep):
             )
 
     # ------------------------------------------------------------------------------------------------ batch
-    def check_batch(self, batch: Any, microbatches: int | None = None) -> None:
-        """A training batch: exactly sum(counts) x microbatch rows. With `microbatches=1` (what `evaluate` and the
+    def check_batch(self, batch: Any, microbatches: int | None = None, *, evaluation: bool = False) -> None:
+        """A training batch: exactly sum(counts) x microbatch rows. With `evaluation=True` (what `evaluate` and the
         CLI's check of validation batches pass): an evaluation batch, split evenly as under dp."""
-        if microbatches == 1:
-            return super().check_batch(batch, 1)
+        if evaluation:
+            return super().check_batch(batch, evaluation=True)
         for path, x in jax.tree_util.tree_leaves_with_path(batch):
             if x.shape[0] != self.cfg.global_batch:
                 raise ShardkitError(

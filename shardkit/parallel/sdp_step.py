@@ -216,7 +216,7 @@ class SDPTrainStep(SDPCosts, TrainStep):
             if not isinstance(state, TrainState):
                 raise ShardkitError("sdp evaluation of the subnetworks needs the TrainState: step.evaluate(state, b)")
             check_alive(state, "this state")
-            key, shardings = self.prepared(batch, microbatches=1)
+            key, shardings = self.prepared(batch, evaluation=True)
             if ("sub", key) not in self.cache:
                 specs = jax.tree.map(lambda s: manual_spec(s.spec, self.cfg.axis), shardings)
                 fn = jax.shard_map(
