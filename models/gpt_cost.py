@@ -19,11 +19,11 @@ al. 1910.02054) and activations per layer adapted from Korthikanti et al. 2205.0
 
 The tp3d GSPMD step (`strategy_comms("tp3d", ..., gspmd=True)`) = the projections (AxoNN's model,
 `shardkit.costmodel.tp3d_layer_comms`) + `gpt_extra_comms`, derived from models/gpt.py, shardkit/train.py and
-the `tp3d` rules (strategies.py): parameters embed -> (col, depth), heads / kv_heads / mlp / vocab -> row;
-compute batch -> (data, depth), embed -> col, heads / mlp / vocab -> row. Each term below was matched, by the
-op_name metadata of `compiled.as_text()`, to the collective XLA emits for it (tests/test_costmodel.py, all 20
-factorisations of 8 CPU devices). Notation: r = tokens / (G_d·G_z) local token rows, e_l = d_model / G_x,
-V_l = vocab / G_y.
+the `tp3d` rules (shardkit/parallel/tensor3d.py): parameters embed -> (col, depth), heads / kv_heads / mlp /
+vocab -> row; compute batch -> (data, depth), embed -> col, heads / mlp / vocab -> row. Each term below was
+matched, by the op_name metadata of `compiled.as_text()`, to the collective XLA emits for it
+(tests/test_costmodel.py, all 20 factorisations of 8 CPU devices). Notation: r = tokens / (G_d·G_z) local token
+rows, e_l = d_model / G_x, V_l = vocab / G_y.
 
 What XLA chooses and we follow: weight-gradient matmuls (dW = xᵀ dy) reduce over depth as a reduce-scatter
 (CPU: all-reduce of the full block) then the shard over data, like `tensor3d.linear`; gradients that are not

@@ -9,6 +9,11 @@ Define your own in a few lines:
     my = sk.strategy("fsdp").replace(name="fsdp_vocab", param_rules={**sk.strategy("fsdp").param_rules,
                                                                         "vocab": ("fsdp",), "embed": None})
     sk.register_strategy(my)
+
+This module holds the class, the registry and the GSPMD tables of data, ZeRO, FSDP and Megatron parallelism. An
+explicit parallelism registers its strategies next to its code: context parallelism in
+shardkit/attention/strategies.py, spatial in shardkit/parallel/spatial_kernels.py, tp3d in
+shardkit/parallel/tensor3d.py, the pipelines, SDP, MoE and hetero in their modules of shardkit/parallel/.
 """
 
 from __future__ import annotations
@@ -237,49 +242,6 @@ register_strategy(
     )
 )
 register_strategy(
-    Strategy(
-        "ep",
-        _rules(experts="expert"),
-        _rules(batch=("data", "expert"), experts="expert"),
-        required_axes=("expert",),
-        kernels={"moe": "all_to_all"},
-        description="expert parallelism: tokens over data x expert, each device holds E / expert of the experts; "
-        "dispatch and combine by all_to_all over expert (shardkit/parallel/moe.py)",
-        collectives="2 all-to-alls forward + 2 backward per MoE layer over expert; gradient all-reduce of the "
-        "replicated weights over data x expert, of the experts' over data",
-    )
-)
-register_strategy(
-    Strategy(
-        "ep_tp",
-        _rules(experts="expert", mlp="tensor"),
-        _rules(batch=("data", "expert"), experts="expert", mlp="tensor"),
-        required_axes=("expert", "tensor"),
-        kernels={"moe": "all_to_all"},
-        description="ep with every expert's MLP tensor-split (Megatron's column / row split of mlp over tensor)",
-        collectives="ep's all-to-alls over expert; an all-reduce over tensor of each expert MLP's output",
-    )
-)
-register_strategy(
-    Strategy(
-        "ep_fsdp",
-        _rules(experts="expert", embed="fsdp"),
-        _rules(batch=("data", "fsdp", "expert"), experts="expert"),
-        required_axes=("expert", "fsdp"),
-        kernels={"moe": "all_to_all"},
-        description="ep with ZeRO-3: tokens over data x fsdp x expert, parameters (and the experts' slices) over fsdp",
-        collectives="ep's all-to-alls over expert; parameter all-gathers and gradient reduce-scatters over fsdp",
-    )
-)
-register_strategy(
-    STRATEGIES["ep"].replace(
-        name="ep_gspmd",
-        kernels={"moe": "einsum"},
-        description="ep's rules with the dispatch / combine einsums left to GSPMD; Flaxformer's reshape of groups "
-        "and experts makes it compile to ep's 2 all-to-alls (a plain constraint would all-gather the tokens)",
-    )
-)
-register_strategy(
     STRATEGIES["dp"].replace(
         name="dp_split_head",
         scopes={"head": {"classes": "data", "vocab": "data", "batch": None}},
@@ -367,33 +329,6 @@ register_strategy(
 )
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Spatial + data parallelism for 3D CNNs (Oyama et al. 2007.12856; shardkit/parallel/spatial.py): each sample's
-# depth / height / width over space / space_h / space_w (whichever the mesh has), the batch over data; weights
-# replicated, their gradients all-reduced over every axis. "xla": GSPMD partitions the convs and inserts the
-# halos; "halo": the explicit ppermute halo-exchange kernels fill the conv and pool slots.
-_SPATIAL = {"depth": "space", "height": "space_h", "width": "space_w"}
-for _name, _required, _kernel, _what in (
-    ("spatial", ("space",), "xla", "GSPMD inserts the halos"),
-    ("spatial_dp", ("data", "space"), "xla", "GSPMD inserts the halos"),
-    ("spatial_halo", ("space",), "halo", "explicit ppermute halo exchange per conv / pool"),
-    ("spatial_dp_halo", ("data", "space"), "halo", "explicit ppermute halo exchange per conv / pool"),
-):
-    register_strategy(
-        Strategy(
-            _name,
-            _rules(),
-            _rules(batch="data", **_SPATIAL),
-            required_axes=_required,
-            kernels={"conv": _kernel, "pool": _kernel},
-            description=f"3D CNNs: each sample split over depth / height / width (space, space_h, space_w), batch "
-            f"over data; {_what}",
-            collectives="per conv: halo collective-permutes over each split axis (fwd and bwd); one all-reduce of "
-            "the weight gradient over data x space axes",
-        )
-    )
-
-
 # The model's own layout: a model annotated with mesh-axis names (nnx.with_partitioning(init, ("fsdp", "tensor")),
 # a PartitionSpec of data / fsdp / tensor, as Flax's guide writes it) keeps exactly those shardings; the batch goes
 # over data x fsdp unless the model's batch_axes name mesh axes themselves.
@@ -433,91 +368,3 @@ def strategy(name: str | Strategy) -> Strategy:
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         raise ShardkitError(f"unknown strategy {name!r}{hint}; available: {', '.join(STRATEGIES)}")
     return STRATEGIES[name]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Context parallelism (shardkit/attention/): the sequence is sharded over `seq` everywhere (res_seq too), and the
-# attention name picks the kernel and the data layout ("ring:<layout>", "ulysses", "usp:<layout>"); the data
-# loader lays batches out with sk.attention.layout_batch(batch, *sk.attention.strategy_layout(attention, mesh)).
-_SP = {"seq": "seq", "res_seq": "seq"}
-_USP = {"seq": ("seq_r", "seq_u"), "res_seq": ("seq_r", "seq_u")}  # ring-major: a2a over seq_u rebuilds ring blocks
-
-for _name, _attention, _what in (
-    ("cp_ring", "ring:contiguous", "ring attention, contiguous layout (causal work unbalanced, ~2x at large N)"),
-    ("cp_zigzag", "ring:zigzag", "ring attention, zigzag layout (rank r holds chunks r and 2N-1-r: balanced)"),
-    ("cp_striped", "ring:striped", "ring attention, striped layout (token i on rank i mod N: balanced)"),
-):
-    register_strategy(
-        Strategy(
-            _name,
-            _rules(),
-            _rules(batch="data", **_SP),
-            required_axes=("seq",),
-            attention=_attention,
-            description=f"sequence over seq, batch over data; {_what}",
-            collectives="per layer: N-1 collective-permutes of K, V fwd; K, V, dK, dV bwd; gradient all-reduce",
-        )
-    )
-register_strategy(
-    Strategy(
-        "cp_ulysses",
-        _rules(),
-        _rules(batch="data", **_SP),
-        required_axes=("seq",),
-        attention="ulysses",
-        description="sequence over seq; DeepSpeed-Ulysses all-to-all sequence <-> heads around attention",
-        collectives="per layer: 4 all-to-alls fwd (q, k, v, out), 4 bwd over seq; gradient all-reduce",
-    )
-)
-register_strategy(
-    Strategy(
-        "cp_usp",
-        _rules(),
-        _rules(batch="data", **_USP),
-        required_axes=("seq_u", "seq_r"),
-        attention="usp:zigzag",
-        description="USP: Ulysses over seq_u x zigzag ring attention over seq_r",
-        collectives="all-to-alls over seq_u + collective-permutes over seq_r per layer; gradient all-reduce",
-    )
-)
-register_strategy(
-    Strategy(
-        "fsdp_cp_zigzag",
-        _rules(**_FSDP),
-        _rules(batch=_DP_FSDP, **_SP),
-        required_axes=("fsdp", "seq"),
-        attention="ring:zigzag",
-        description="fsdp (ZeRO-3) over fsdp x zigzag ring attention over seq",
-        collectives="fsdp's all-gather / reduce-scatter over fsdp + ring collective-permutes over seq",
-    )
-)
-register_strategy(
-    Strategy(
-        "cp_zigzag_tp",
-        _rules(**_TP),
-        _rules(batch="data", **_SP, **_TP),
-        required_axes=("seq", "tensor"),
-        attention="ring:zigzag",
-        description="zigzag ring attention over seq x Megatron tp over tensor (each rank rings its heads)",
-        collectives="tp's all-reduces over tensor + ring collective-permutes of the local kv heads over seq",
-    )
-)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# AxoNN 4D (Singh et al. 2305.13525; shardkit/parallel/tensor3d.py): tokens over data x depth, the residual
-# stream's embed over col, heads / mlp / vocab over row; weights additionally split over depth (FSDP-like). GSPMD
-# compiles the projections to AxoNN's collectives: weight all-gathers over depth, output all-reduces over col
-# (QKV, MLP-in) or row (attention-out, MLP-out: the "transposed" layers), input-gradient all-reduces over the
-# other axis.
-_TP3D = {"heads": "row", "kv_heads": "row", "mlp": "row", "vocab": "row"}
-register_strategy(
-    Strategy(
-        "tp3d",
-        _rules(embed=("col", "depth"), **_TP3D),
-        _rules(batch=("data", "depth"), embed="col", **_TP3D),
-        description="AxoNN 3D tensor (col x row x depth) x data: 4D; any of the four axes may be absent",
-        collectives="per projection: AG of weights over depth, AR over col / row fwd and bwd; dW RS over depth,"
-        " AR over data",
-    )
-)

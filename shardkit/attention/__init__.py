@@ -13,9 +13,11 @@ The ring, Ulysses and USP names take the query/key chunk of their inner loop as 
 without it the chunk is chosen per backend and block (chunking.py: 128 on CPU, 512 on accelerators).
 
 The context-parallel kernels are also plain functions (`ring_attention`, …) usable without Flax; data for a
-ring must be in its layout (`to_layout`, or `layout_batch` for a training batch).
+ring must be in its layout (`to_layout`, or `layout_batch` for a training batch). The context-parallel
+strategies (cp_ring, cp_zigzag, cp_striped, cp_ulysses, cp_usp, fsdp_cp_zigzag, cp_zigzag_tp) are strategies.py's.
 """
 
+from shardkit.attention import strategies  # noqa: F401  (registers the cp_* strategies)
 from shardkit.attention.dense import attend, cudnn_attention, dense_attention, register_attention
 from shardkit.attention.layouts import LAYOUTS, from_layout, layout_batch, layout_perm, strategy_layout, to_layout
 from shardkit.attention.ring import ring_attention

@@ -3,9 +3,9 @@
     pipeline    GPipe / 1F1B / circular schedules over the `stage` axis (Huang et al.; Narayanan et al.), even or
                 uneven stages (Whale), and the pp* strategies; the schedule tables and kernel names:
                 pipeline_schedule
-    tensor3d    AxoNN's 3D tensor-parallel linear (Singh et al., 2305.13525)
-    spatial     halo-exchange conv / pool for samples split over depth, height, width (Oyama et al., 2007.12856),
-                with the conv / pool slot kernels and the spatial* strategies
+    tensor3d    AxoNN's 3D tensor-parallel linear (Singh et al., 2305.13525) and the tp3d strategy
+    spatial     halo-exchange conv / pool for samples split over depth, height, width (Oyama et al., 2007.12856);
+                the conv / pool slot kernels and the spatial* strategies: spatial_kernels
     sdp         subnetwork data parallelism: each device trains a subnetwork (Singh et al., 2507.09029); its train
                 step: sdp_step
     moe         mixture-of-experts routing and dispatch (Shazeer et al.; Lepikhin et al.; Fedus et al.)
@@ -17,6 +17,6 @@ never imports this package: each module registers its strategies, kernels and st
 `sk.hetero` are the public names.
 """
 
-from shardkit.parallel import hetero, hetero_step, moe, pipeline, sdp, sdp_step, spatial, tensor3d
+from shardkit.parallel import hetero, hetero_step, moe, pipeline, sdp, sdp_step, spatial, spatial_kernels, tensor3d
 
-__all__ = ["hetero", "hetero_step", "moe", "pipeline", "sdp", "sdp_step", "spatial", "tensor3d"]
+__all__ = ["hetero", "hetero_step", "moe", "pipeline", "sdp", "sdp_step", "spatial", "spatial_kernels", "tensor3d"]

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from shardkit import kernels
 from shardkit.errors import ShardkitError
 from shardkit.parallel.moe_ragged import RAGGED_PADDING, RAGGED_PATHS, TILE, GroupedFn, grouped_dot, params_experts
+from shardkit.strategies import Strategy, register_strategy, strategy, table
 
 kernels.DEFAULTS.setdefault("moe", "einsum")
 ExpertFn = Callable[[Any, jax.Array], jax.Array]  # (expert params with a leading E dim, [E, N, C, M]) -> same
@@ -232,6 +233,54 @@ def _check_order_free(dispatch_shape: tuple[int, ...], ctx: Any) -> None:
             "step would differ from one device. Route dropless (capacity = tokens per group, or moe='ragged'), or use "
             "a context parallelism with the contiguous layout (cp_ring, cp_ulysses)"
         )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Expert parallelism as strategies: the `experts` dimension over the `expert` mesh axis, the moe slot's kernel
+# (all_to_all above, or einsum for GSPMD's own dispatch).
+register_strategy(
+    Strategy(
+        "ep",
+        table(experts="expert"),
+        table(batch=("data", "expert"), experts="expert"),
+        required_axes=("expert",),
+        kernels={"moe": "all_to_all"},
+        description="expert parallelism: tokens over data x expert, each device holds E / expert of the experts; "
+        "dispatch and combine by all_to_all over expert",
+        collectives="2 all-to-alls forward + 2 backward per MoE layer over expert; gradient all-reduce of the "
+        "replicated weights over data x expert, of the experts' over data",
+    )
+)
+register_strategy(
+    Strategy(
+        "ep_tp",
+        table(experts="expert", mlp="tensor"),
+        table(batch=("data", "expert"), experts="expert", mlp="tensor"),
+        required_axes=("expert", "tensor"),
+        kernels={"moe": "all_to_all"},
+        description="ep with every expert's MLP tensor-split (Megatron's column / row split of mlp over tensor)",
+        collectives="ep's all-to-alls over expert; an all-reduce over tensor of each expert MLP's output",
+    )
+)
+register_strategy(
+    Strategy(
+        "ep_fsdp",
+        table(experts="expert", embed="fsdp"),
+        table(batch=("data", "fsdp", "expert"), experts="expert"),
+        required_axes=("expert", "fsdp"),
+        kernels={"moe": "all_to_all"},
+        description="ep with ZeRO-3: tokens over data x fsdp x expert, parameters (and the experts' slices) over fsdp",
+        collectives="ep's all-to-alls over expert; parameter all-gathers and gradient reduce-scatters over fsdp",
+    )
+)
+register_strategy(
+    strategy("ep").replace(
+        name="ep_gspmd",
+        kernels={"moe": "einsum"},
+        description="ep's rules with the dispatch / combine einsums left to GSPMD; Flaxformer's reshape of groups "
+        "and experts makes it compile to ep's 2 all-to-alls (a plain constraint would all-gather the tokens)",
+    )
+)
 
 
 __all__ = ["GROUPED", "RAGGED_PADDING", "RAGGED_PATHS", "TILE", "GroupedFn", "apply", "capacity", "grouped_dot",

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardkit.errors import ShardkitError
+from shardkit.strategies import Strategy, register_strategy, table
 
 AXES_4D = ("data", "row", "col", "depth")
 
@@ -186,6 +187,25 @@ def linear(x: jax.Array, w: jax.Array, *, mesh: Mesh, transpose: bool = False) -
     if math.prod(mesh.shape.values()) == 1:
         return x @ w
     return _make(_layout(mesh, transpose, x.ndim))(x, w)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The tp3d strategy, AxoNN 4D (Singh et al. 2305.13525) as rules: tokens over data x depth, the residual
+# stream's embed over col, heads / mlp / vocab over row; weights additionally split over depth (FSDP-like). GSPMD
+# compiles the projections to AxoNN's collectives: weight all-gathers over depth, output all-reduces over col
+# (QKV, MLP-in) or row (attention-out, MLP-out: the "transposed" layers), input-gradient all-reduces over the
+# other axis.
+_TP3D = {"heads": "row", "kv_heads": "row", "mlp": "row", "vocab": "row"}
+register_strategy(
+    Strategy(
+        "tp3d",
+        table(embed=("col", "depth"), **_TP3D),
+        table(batch=("data", "depth"), embed="col", **_TP3D),
+        description="AxoNN 3D tensor (col x row x depth) x data: 4D; any of the four axes may be absent",
+        collectives="per projection: AG of weights over depth, AR over col / row fwd and bwd; dW RS over depth,"
+        " AR over data",
+    )
+)
 
 
 __all__ = ["AXES_4D", "Grid", "check_mesh", "linear", "specs", "weight_sharding"]
