@@ -20,10 +20,11 @@ mesh seq=8, USP on seq_u=2 x seq_r=4 (zigzag). One process; all figures are rati
    the time is the total work of all devices, not the critical path: the ratio measures the kernel's overhead and its
    causal skipping, not scaling (dense computes the masked half too, the kernels skip it). Other work on a shared
    host still moves these times by tens of percent. `peak`: the kernel's attention FLOP/s as a fraction of the
-   calibrated fp32 matmul peak of the 8 devices multiplying at once (`experiments.runtime.calibrate_peak_flops`, as
-   bench_mfu), FLOPs counted as MaxText does (`calculate_tflops_training_per_device`): 4 B S^2 H D for a non-causal
-   forward (Q K^T and P V), halved for causal (the masked half counted zero times, each visible score once), x 3 for
-   forward + backward (the backward's recomputation of the scores is not counted).
+   host's calibrated fp32 matmul peak (bench_mfu's `host_peak`: the larger of one device's and 8 x the per-device
+   peak with all 8 multiplying at once, `experiments.runtime.calibrate_peak_flops`), FLOPs counted as MaxText does
+   (`calculate_tflops_training_per_device`): 4 B S^2 H D for a non-causal forward (Q K^T and P V), halved for
+   causal (the masked half counted zero times, each visible score once), x 3 for forward + backward (the
+   backward's recomputation of the scores is not counted).
 3. causal load balance: attention FLOPs per device, counted from the kernels' own skip rule (a chunk pair runs
    iff some query position >= some key position) at the kernels' chunk size; max / mean over the 8 devices,
    and the critical path (the busiest device's FLOPs) of each layout relative to zigzag's.
@@ -57,7 +58,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import shardkit as sk
-from experiments.bench.bench_mfu import peak_of
+from experiments.bench.bench_mfu import host_peak
 from experiments.bench.timing import RESULTS, save_json, time_calls, time_interleaved
 from shardkit.attention.chunking import default_chunk
 from shardkit.attention.layouts import layout_perm
@@ -192,7 +193,7 @@ def timing(seq: int, reps: int, peer: Any, dense_max: int, chunks: tuple[int, ..
     else:
         t_ref, ref, ref_name = None, outs["ring:contiguous"], "ring:contiguous"
     rows: dict[str, Any] = {"dense_1dev_s": t_ref, "numerics_reference": ref_name}
-    peak = peak_of(N) * N  # the 8 devices' calibrated matmul peak, all multiplying at once
+    peak = host_peak(N)  # the host's calibrated matmul peak, which the 8 devices share (bench_mfu)
     for name, out in outs.items():
         t = results[name].best
         rows[name] = {"s": t, "vs_dense_1dev": t / t_ref if t_ref else None, "rel_diff": rel_diff(out, ref),
