@@ -1,4 +1,4 @@
-"""The train-step interface every parallelism implements, and the registry a strategy's step is looked up in.
+"""The train-step interface every parallelism implements (the registry that finds a strategy's step: dispatch.py).
 
     step = sk.make_train_step(model, optax.adamw(3e-4), mesh, "fsdp", loss_fn=loss_fn,
                               batch_axes={"image": ("batch", "height", "width", None), "label": ("batch",)})
