@@ -117,7 +117,7 @@ class GPTConfig:
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
             comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
-            memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes)
+            memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy))
             return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({name}: all-to-alls only)"
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)

@@ -18,13 +18,23 @@ dim, f mlp dim, s sequence; `es` / `hs` the splits of the embed / head-and-mlp n
 - names:<a,b>: the block input and the tagged tensors (gpt.CHECKPOINT_NAMES: qkv_proj (n + 2k)·hd, attn_out
   n·hd, out_proj e, mlp_in e, mlp_hidden f); + one block's working set.
 
-Recompute FLOPs, per device per step, convention: matmuls 2 FLOPs per multiply-add, elementwise work at a fixed
-count per element (RMSNorm 5, RoPE 6, causal softmax 5, SwiGLU's silu(gate)·up 5): what the backward re-runs.
-full = one extra forward of the blocks (2·P_blocks + 4·n·hd·s per token: Korthikanti's +33% of a step without
-recompute); dots = the elementwise work only; dots_no_batch = elementwise + attention's two batched matmuls;
-names = one forward (an upper bound: whatever is not tagged may be recomputed). The embedding, the head and the
-loss are never recomputed (outside the layer scan). Total over the devices / devices: every strategy the GPT
-formulas model splits the forward's FLOPs evenly.
+Recompute FLOPs, per device per step: what the backward re-runs. Matmuls at 2 FLOPs per multiply-add, counted as
+the compiled step runs them (tests/test_plan_remat.py: equal to `shardkit.hlo.matmul_flops`' difference from
+`none`), and elementwise work at a fixed count per element (RMSNorm 5, RoPE 6, causal softmax 5, SwiGLU's
+silu(gate)·up 5). Per token and block:
+
+- full: the block's forward matmuls except its last one, whose output the backward does not read (XLA drops it):
+  q/k/v, the output projection, attention's 4·n·hd·s, and the MLP's gate and up (not its down projection); a MoE
+  block its router, the dispatch einsum and the experts' three matmuls over their capacity slots (not the combine
+  einsum). Korthikanti's "+33%" of one forward, less the last matmul.
+- names:<a,b>: full, less the projections whose tagged outputs are kept (qkv_proj: q/k/v; out_proj: the output
+  projection); other tags keep no matmul from running again (an upper bound).
+- dots_no_batch: the elementwise work + the batched matmuls: attention's two, and a MoE block's experts (batched
+  over the experts) and dispatch einsum.
+- dots: the elementwise work only.
+
+The embedding, the head and the loss are never recomputed (outside the layer scan). Total over the devices /
+devices: every strategy the GPT formulas model splits the forward's FLOPs evenly.
 """
 
 from __future__ import annotations
@@ -78,34 +88,47 @@ def saved_bytes(
     return L * tokens * per * nbytes + block_bytes  # + one block's working set during its recompute
 
 
-def forward_flops_per_token(cfg: Any, seq_len: int) -> float:
-    """One forward of the blocks, per token: 2 x the block matmuls' parameters + attention's 4·n·hd·s."""
-    e, n, k, hd, f = _shape(cfg)
-    matmul = e * (n + 2 * k) * hd + n * hd * e + 3 * e * f
-    return int(cfg.num_layers) * (2 * matmul + 4 * n * hd * seq_len)
+def moe_flops_per_token(cfg: Any, seq_len: int) -> dict[str, float]:
+    """One MoE block's forward matmul FLOPs per token: the router, the dispatch and the combine einsums (2·E·C·d
+    each), and the experts' SwiGLU over the E·C capacity slots of a sequence (about k·cf·S of them, E·S when
+    dropless); and `hidden`, the experts' SwiGLU width per token (f·E·C / S)."""
+    from shardkit.parallel.moe import capacity
+
+    e, f, x = int(cfg.d_model), int(cfg.mlp_dim), int(cfg.num_experts)
+    slots = x * capacity(seq_len, x, cfg.top_k, cfg.capacity_factor, cfg.dropless)  # per sequence
+    return {"router": 2 * e * x, "dispatch": 2 * slots * e, "combine": 2 * slots * e,
+            "experts": 6 * e * f * slots / seq_len, "hidden": f * slots / seq_len}  # fmt: skip
 
 
-def elementwise_flops_per_token(cfg: Any, seq_len: int) -> float:
-    """The non-matmul forward work of the blocks, per token (the convention's counts per element)."""
+def recompute_per_token(cfg: Any, policy: str, seq_len: int) -> tuple[float, float]:
+    """(matmul, elementwise) FLOPs per token that the backward re-runs under `policy`, all blocks (module doc)."""
     e, n, k, hd, f = _shape(cfg)
-    return int(cfg.num_layers) * (2 * NORM * e + ROPE * (n + k) * hd + SOFTMAX * n * seq_len + SWIGLU * f)
+    L, base = int(cfg.num_layers), policy.partition(":")[0]
+    qkv, out, attn = 2 * e * (n + 2 * k) * hd, 2 * n * hd * e, 4 * n * hd * seq_len
+    if getattr(cfg, "num_experts", 0):
+        moe = moe_flops_per_token(cfg, seq_len)
+        mlp_forward, mlp_batched = moe["router"] + moe["dispatch"] + moe["experts"], moe["dispatch"] + moe["experts"]
+        f = moe["hidden"]  # the SwiGLU's elementwise work runs over every slot
+    else:
+        mlp_forward, mlp_batched = 4 * e * f, 0.0  # gate and up; the down projection is the block's last matmul
+    if base in ("full", "names"):
+        names = {t.strip() for t in policy.partition(":")[2].split(",")} if base == "names" else set()
+        kept = qkv * ("qkv_proj" in names) + out * ("out_proj" in names)
+        return L * (qkv + out + attn + mlp_forward - kept), 0.0
+    elementwise = L * (2 * NORM * e + ROPE * (n + k) * hd + SOFTMAX * n * seq_len + SWIGLU * f)
+    if base == "dots":
+        return 0.0, elementwise
+    if base == "dots_no_batch":
+        return L * (attn + mlp_batched), elementwise
+    if base == "none":
+        return 0.0, 0.0
+    raise ShardkitError(f"remat policy {policy!r}: the GPT's cost model knows {', '.join(POLICIES)}, names:<a,b>")
 
 
 def recompute_flops(cfg: Any, policy: str, global_tokens: float, seq_len: int, devices: int) -> float:
     """FLOPs the backward re-runs per device per step under `policy` (module doc's convention)."""
-    base = policy.partition(":")[0]
-    n, hd = int(cfg.num_heads), int(cfg.head_dim)
-    per_token = {
-        "none": 0.0,
-        "full": forward_flops_per_token(cfg, seq_len),
-        "names": forward_flops_per_token(cfg, seq_len),
-        "dots": elementwise_flops_per_token(cfg, seq_len),
-        "dots_no_batch": elementwise_flops_per_token(cfg, seq_len) + int(cfg.num_layers) * 4 * n * hd * seq_len,
-    }
-    if base not in per_token:
-        raise ShardkitError(f"remat policy {policy!r}: the GPT's cost model knows {', '.join(POLICIES)}, names:<a,b>")
-    return per_token[base] * global_tokens / devices
+    return sum(recompute_per_token(cfg, policy, seq_len)) * global_tokens / devices
 
 
-__all__ = ["POLICIES", "elementwise_flops_per_token", "forward_flops_per_token", "recompute_flops", "saved_bytes",
+__all__ = ["POLICIES", "moe_flops_per_token", "recompute_flops", "recompute_per_token", "saved_bytes",
            "tagged_elements"]  # fmt: skip
