@@ -108,7 +108,7 @@ class GPTConfig:
         """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) of one train step from the GPT
         formulas (models/gpt_cost.py, activations included); None for a strategy they do not cover (explain then
         falls back to the parameter traffic implied by the rules tables)."""
-        from models import gpt_cost
+        from models import gpt_cost, gpt_moe_cost
 
         name = getattr(strategy, "name", strategy)
         if self.num_experts:  # MoE: expert parallelism's all-to-alls only (the dense formulas do not apply)
@@ -116,9 +116,9 @@ class GPTConfig:
             if t.step != "gspmd" or t.kernels.get("moe") not in ("all_to_all", "einsum") or not t.axes("experts"):
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
-            comms = gpt_cost.moe_comms(self, mesh, batch, seq, nbytes)
-            memory = gpt_cost.moe_memory(self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy))
-            return comms, memory, f"models/gpt_cost.py moe_comms / moe_memory ({name}: all-to-alls only)"
+            comms = gpt_moe_cost.comms(self, mesh, batch, seq, nbytes)
+            memory = gpt_moe_cost.memory(self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy))
+            return comms, memory, f"models/gpt_moe_cost.py ({name}: all-to-alls only)"
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
             batch, seq = next(iter(batch_shapes.values()))[:2]
@@ -153,10 +153,10 @@ class GPTConfig:
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
-        from models import gpt_cost
+        from models import gpt_cost, gpt_moe_cost
 
         if self.num_experts:
-            return gpt_cost.moe_divisibility(self, mesh, global_batch)
+            return gpt_moe_cost.divisibility(self, mesh, global_batch)
         if gpt_cost.sdp_options(strategy) is not None:
             return gpt_cost.sdp_divisibility(strategy, self, mesh, global_batch)
         return gpt_cost.divisibility(gpt_cost.formula(strategy) or "", self, mesh, global_batch)

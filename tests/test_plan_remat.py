@@ -1,7 +1,7 @@
 """The planner trades memory for time: per-remat-policy memory and recompute cost of the GPT, `sk.plan(remat=)`.
 
-The per-policy formulas (models/gpt_remat_cost.py, models/gpt_cost.py) are checked against XLA for the dense GPT
-under fsdp and the MoE GPT under ep, on 8 CPU devices:
+The per-policy formulas (models/gpt_remat_cost.py, gpt_cost.py, gpt_moe_cost.py) are checked against XLA for the
+dense GPT under fsdp and the MoE GPT under ep, on 8 CPU devices:
 
 - recomputed matmul FLOPs, exactly: the compiled step's dots (`shardkit.hlo.matmul_flops`, loop trips counted)
   under a policy minus under `none` equal the formula's matmul term per device (integer arithmetic on both sides);

@@ -1,0 +1,76 @@
+"""The MoE GPT's cost model under expert parallelism (ep, ep_gspmd, ep_tp, ep_fsdp): the all-to-alls, the
+memory per remat policy and the divisibility of its shapes; the companion of models/gpt_cost.py for a GPT with
+`num_experts` > 0 (`GPTConfig.cost_model` calls these). Like it, the formulas are per strategy and mesh and name
+mesh axes. Measured against the compiled step: tests/test_moe.py (the all-to-alls), tests/test_plan_remat.py
+(what each remat policy frees, within 5%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from models import gpt_remat_cost
+from models.gpt_cost import activation_bytes
+from shardkit.costmodel import Comm, CommBuilder
+
+
+def comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4) -> list[Comm]:
+    """Expert parallelism's all-to-alls (strategies ep / ep_gspmd): per MoE layer 2 forward + 2 backward over
+    `expert`, each of the [E, G_l, C, d_model] buffer (G_l = sequences per device, C = the capacity per
+    sequence), (X - 1) / X of it sent. Only these: the gradient all-reduces of a MoE step are not modelled."""
+    from shardkit.parallel.moe import capacity
+
+    devices = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))  # the batch axes of ep*
+    cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
+    buffer = cfg.num_experts * (global_batch // devices) * cap * cfg.d_model * nbytes
+    b = CommBuilder(mesh, ("expert", "data"), "gpu")
+    n = 4 * cfg.num_layers
+    b.add("all-to-all", "expert", buffer * n, n, "MoE dispatch / combine, forward and backward")
+    return b.comms()
+
+
+def divisibility(cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
+    """Why a MoE GPT does not split over `mesh` under ep* ("" if it does): experts over expert, batch over the rest."""
+    batch = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    if cfg.num_experts % mesh.get("expert", 1) or global_batch % batch:
+        return f"{cfg.num_experts} experts / batch {global_batch} do not split over {mesh}"
+    return ""
+
+
+def memory(
+    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2, remat: str = "none"
+) -> dict[str, float]:  # fmt: skip
+    """Bytes per device under ep: the experts' weights over `expert`, the rest replicated (ZeRO's 16 bytes per
+    parameter in mixed precision). Activations under the `remat` policy: models/gpt_remat_cost.py's rules for the
+    dense block with the width of the experts' capacity slots per token (about k·f), and per block the MoE's own
+    tensors, the routing's dispatch and combine masks ([G_l, S, E, C], fp32) and the dispatched and combined
+    tokens ([E, G_l, C, d]). Under `none` every block keeps them all; under `full` only the recomputed block holds
+    them; under `dots` the tokens are kept (the dispatch einsums are batched matmuls) and the masks recomputed;
+    under `dots_no_batch` and `names:` both are recomputed (nothing in them is tagged)."""
+    from shardkit.parallel.moe import capacity
+
+    x, devices = mesh.get("expert", 1), math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    shard = mesh.get("tensor", 1) * mesh.get("fsdp", 1)  # ep_tp: experts' mlp over tensor; ep_fsdp: embed over fsdp
+    experts = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
+    psi = (cfg.num_params() - experts) / mesh.get("fsdp", 1) + experts / (x * shard)
+    groups, tokens = global_batch / devices, global_batch / devices * seq_len
+    cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
+    width = round(gpt_remat_cost.moe_flops_per_token(cfg, seq_len)["hidden"])  # the experts' SwiGLU per token
+    active = dataclasses.replace(cfg, num_experts=0, mlp_dim=width)
+    dispatched = 2 * cfg.num_experts * groups * cap * cfg.d_model * nbytes  # [E, G_l, C, d] in and out
+    masks = 2 * groups * seq_len * cfg.num_experts * cap * 4  # dispatch and combine, fp32
+    block = activation_bytes(active, tokens, seq_len, 1, 1, nbytes) + dispatched + masks
+    base, names = remat.partition(":")[0], {t.strip() for t in remat.partition(":")[2].split(",")}
+    hidden = tokens * active.mlp_dim * nbytes  # one [tokens, k f] tensor of the active experts
+    moe = {"dots": dispatched,  # per block, beyond the dense rules: the batched dispatch einsums' outputs kept,
+           "dots_no_batch": -2 * hidden,  # the experts' gate and up recomputed (batched over E: not "no batch")
+           "names": -hidden if "mlp_hidden" in names else 0.0}  # fmt: skip  # the MoE block tags no mlp_hidden
+    acts = gpt_remat_cost.saved_bytes(active, remat, tokens, seq_len, 1, 1, nbytes, block)
+    acts += cfg.num_layers * moe.get(base, 0.0) + tokens * cfg.vocab_size * 4 * 2  # + fp32 logits and softmax
+    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
+    return {**mem, "total": sum(mem.values())}
+
+
+__all__ = ["comms", "divisibility", "memory"]
