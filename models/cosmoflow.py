@@ -97,7 +97,10 @@ class CosmoFlowConfig:
         batch = next(iter(batch_shapes.values()))[0]
         comms = cosmoflow_cost.comms(self, strategy, mesh, batch, self.size, nbytes)
         memory = cosmoflow_cost.memory(self, strategy, mesh, batch, self.size, nbytes, backend)
-        return comms, memory, f"models/cosmoflow_cost.py ({family}: explicit halo exchange + gradient all-reduces)"
+        remat = sk.strategy(strategy).kernels.get("remat") or "none"
+        unmodelled = f"; remat {remat} not modelled: memory as without it" if remat != "none" else ""
+        source = f"models/cosmoflow_cost.py ({family}: explicit halo exchange + gradient all-reduces{unmodelled})"
+        return comms, memory, source
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why the volume or batch does not split over `mesh` ("" if they do)."""
