@@ -97,8 +97,7 @@ class CosmoFlowConfig:
         batch = next(iter(batch_shapes.values()))[0]
         comms = cosmoflow_cost.comms(self, strategy, mesh, batch, self.size, nbytes)
         memory = cosmoflow_cost.memory(self, strategy, mesh, batch, self.size, nbytes, backend)
-        remat = sk.strategy(strategy).kernels.get("remat") or "none"
-        unmodelled = f"; remat {remat} not modelled: memory as without it" if remat != "none" else ""
+        unmodelled = conv3d.remat_unmodelled(strategy)
         source = f"models/cosmoflow_cost.py ({family}: explicit halo exchange + gradient all-reduces{unmodelled})"
         return comms, memory, source
 

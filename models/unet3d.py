@@ -82,7 +82,9 @@ class UNet3DConfig:
         batch, extents = volume[0], tuple(volume[1:4])
         comms = unet3d_cost.comms(self, strategy, mesh, batch, extents, nbytes)
         memory = unet3d_cost.memory(self, strategy, mesh, batch, extents, nbytes, backend)
-        return comms, memory, f"models/unet3d_cost.py ({family}: explicit halo exchange + gradient all-reduce)"
+        unmodelled = conv3d.remat_unmodelled(strategy)
+        source = f"models/unet3d_cost.py ({family}: explicit halo exchange + gradient all-reduce{unmodelled})"
+        return comms, memory, source
 
     def min_size(self) -> int:
         """The input extent must be divisible by this (one halving per pooling)."""
@@ -102,6 +104,11 @@ class _Pair(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = nnx.relu(self.norm1(self.conv1(x)))
         return sk.constrain(nnx.relu(self.norm2(self.conv2(x))), conv3d.names())
+
+
+def _run_pair(pair: _Pair, x: jax.Array) -> jax.Array:
+    """One conv pair; a function of the module, so `sk.layers.checkpoint_module` can rematerialize it."""
+    return pair(x)
 
 
 class UNet3D(nnx.Module):
@@ -127,14 +134,15 @@ class UNet3D(nnx.Module):
     def __call__(self, volumes: jax.Array) -> jax.Array:
         x = sk.constrain(volumes.astype(jnp.dtype(self.cfg.dtype)), (BATCH, DEPTH, HEIGHT, WIDTH, None))
         skips = []
+        run = sk.layers.checkpoint_module(_run_pair)  # each conv pair under the strategy's remat kernel
         for i, pair in enumerate(self.down):
-            x = pair(x)
+            x = run(pair, x)
             skips.append(x)
             x = conv3d.pool(x, name=f"down{i}.pool")
-        x = self.bottom(x)
+        x = run(self.bottom, x)
         for up, pair, skip in zip(self.ups, self.up_pairs, reversed(skips), strict=True):
             x = nnx.relu(up(conv3d.upsample(x)))
-            x = pair(jnp.concatenate([skip, x], axis=-1))
+            x = run(pair, jnp.concatenate([skip, x], axis=-1))
         return self.head(x).astype(jnp.promote_types(x.dtype, jnp.float32))
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:

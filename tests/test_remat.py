@@ -38,6 +38,7 @@ from experiments.configs import base
 from models.cosmoflow import CosmoFlow, CosmoFlowConfig, regression_loss
 from models.gpt import GPT
 from models.resnet import BATCH_AXES, ResNet, ResNetConfig, classification_loss
+from models.unet3d import UNet3D, UNet3DConfig, segmentation_loss
 
 POLICIES = ["none", "full", "dots", "dots_no_batch", "names"]
 NAMES = {"gpt": "names:qkv_proj,mlp_hidden", "resnet": "names:conv1"}  # values each model tags
@@ -189,19 +190,27 @@ def test_explain_tabulates_each_policys_memory_and_recomputed_flops():
 
 
 COSMO = CosmoFlowConfig(size=8, widths=(4, 4), dense=(8,), batch_norm=True)  # two conv blocks, no stack
+UNET = UNet3DConfig(widths=(4, 4), num_classes=3)  # a down pair, the bottom pair, an up pair
 
 
-def test_cosmoflow_blocks_run_under_the_policy_and_train_as_none_does():
-    """CosmoFlow's blocks differ in shape (no stack): each runs under `sk.layers.checkpoint_module` (nnx.remat,
-    BatchNorm statistics updated inside). Parity with `none` after 3 SGD steps, same bound as the ResNet's."""
+@pytest.mark.parametrize("model", ["cosmoflow", "unet3d"])
+def test_3d_cnn_blocks_run_under_the_policy_and_train_as_none_does(model):
+    """The 3D CNNs' blocks differ in shape (no stack): each (CosmoFlow's conv block, the U-Net's conv pair) runs
+    under `sk.layers.checkpoint_module` (nnx.remat, BatchNorm statistics updated inside). Parity with `none` after
+    3 SGD steps, same bound as the ResNet's."""
     rng = np.random.default_rng(0)
-    batch = {"volume": jnp.asarray(rng.normal(size=(8, 8, 8, 8, 1)), jnp.float32),
-             "target": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}  # fmt: skip
+    volume = jnp.asarray(rng.normal(size=(8, 8, 8, 8, 1)), jnp.float32)
+    if model == "cosmoflow":
+        net_fn, loss_fn = lambda rngs: CosmoFlow(COSMO, rngs=rngs), regression_loss
+        batch = {"volume": volume, "target": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}
+    else:
+        net_fn, loss_fn = lambda rngs: UNet3D(UNET, rngs=rngs), segmentation_loss
+        batch = {"volume": volume, "label": jnp.asarray(rng.integers(0, 3, size=(8, 8, 8, 8)), jnp.int32)}
     out = {}
     for policy in ("none", "full"):
         mesh, strategy = one_device_mesh(), _strategy("resnet", policy)
-        net = sk.sharded_init(lambda rngs: CosmoFlow(COSMO, rngs=rngs), mesh, strategy, seed=0)
-        step = sk.make_train_step(net, optax.sgd(0.1, momentum=0.9), mesh, strategy, loss_fn=regression_loss)
+        net = sk.sharded_init(net_fn, mesh, strategy, seed=0)
+        step = sk.make_train_step(net, optax.sgd(0.1, momentum=0.9), mesh, strategy, loss_fn=loss_fn)
         state, losses = step.init_state(), []
         for _ in range(3):
             state, metrics = step(state, batch)

@@ -47,10 +47,10 @@ def test_predicted_activations_are_the_compiled_temporaries(model: str, spec: st
     # the XLA:CPU-only terms are part of the CPU figure, and not of a GPU's
     _, gpu, _ = cfg.cost_model(strategy, dict(mesh.shape), shapes, 4, "gpu")
     assert 0 < mem["xla_cpu"] < mem["activations"] and gpu["xla_cpu"] == 0
-    if model == "cosmoflow":  # the formulas are remat none's, and say so when the strategy sets another policy
-        _, _, remat_source = cfg.cost_model(sk.strategy(strategy).replace(kernels={"remat": "full"}),
-                                            dict(mesh.shape), shapes, 4, "cpu")  # fmt: skip
-        assert "not modelled" not in source and "remat full not modelled" in remat_source
+    # the formulas are remat none's, and say so when the strategy sets another policy (docs/spatial.md, Remat)
+    _, _, remat_source = cfg.cost_model(sk.strategy(strategy).replace(kernels={"remat": "full"}), dict(mesh.shape),
+                                        shapes, 4, "cpu")  # fmt: skip
+    assert "not modelled" not in source and "remat full not modelled" in remat_source
 
 
 def test_the_unet_cost_model_needs_the_volume_shape() -> None:
