@@ -116,8 +116,9 @@ class GPTConfig:
             if t.step != "gspmd" or t.kernels.get("moe") not in ("all_to_all", "einsum") or not t.axes("experts"):
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
-            comms = gpt_moe_cost.comms(self, mesh, batch, seq, nbytes)
-            memory = gpt_moe_cost.memory(self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy))
+            remat = self.remat_policy(strategy)
+            comms = gpt_moe_cost.comms(self, mesh, batch, seq, nbytes, remat=remat)
+            memory = gpt_moe_cost.memory(self, mesh, batch, seq, nbytes, remat=remat)
             return comms, memory, f"models/gpt_moe_cost.py ({name}: all-to-alls only)"
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)

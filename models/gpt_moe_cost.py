@@ -16,18 +16,23 @@ from models.gpt_cost import activation_bytes
 from shardkit.costmodel import Comm, CommBuilder
 
 
-def comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4) -> list[Comm]:
+def comms(
+    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4, remat: str = "none"
+) -> list[Comm]:  # fmt: skip
     """Expert parallelism's all-to-alls (strategies ep / ep_gspmd): per MoE layer 2 forward + 2 backward over
-    `expert`, each of the [E, G_l, C, d_model] buffer (G_l = sequences per device, C = the capacity per
-    sequence), (X - 1) / X of it sent. Only these: the gradient all-reduces of a MoE step are not modelled."""
+    `expert`, and under any remat policy but `none` the 2 forward ones again (the backward re-runs the exchange:
+    no policy keeps its outputs, which are no matmul's), each of the [E, G_l, C, d_model] buffer (G_l = sequences
+    per device, C = the capacity per sequence), (X - 1) / X of it sent. Only these: the gradient all-reduces of a
+    MoE step are not modelled."""
     from shardkit.parallel.moe import capacity
 
     devices = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))  # the batch axes of ep*
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
     buffer = cfg.num_experts * (global_batch // devices) * cap * cfg.d_model * nbytes
     b = CommBuilder(mesh, ("expert", "data"), "gpu")
-    n = 4 * cfg.num_layers
-    b.add("all-to-all", "expert", buffer * n, n, "MoE dispatch / combine, forward and backward")
+    n = (4 if remat == "none" else 6) * cfg.num_layers
+    what = "forward and backward" + (f", the forward's again under remat {remat}" if remat != "none" else "")
+    b.add("all-to-all", "expert", buffer * n, n, f"MoE dispatch / combine, {what}")
     return b.comms()
 
 

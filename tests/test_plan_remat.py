@@ -3,7 +3,8 @@
 The per-policy formulas (models/gpt_remat_cost.py, gpt_cost.py, gpt_moe_cost.py) are checked against XLA for the
 dense GPT under fsdp and the MoE GPT under ep, on 8 CPU devices:
 
-- recomputed matmul FLOPs, exactly: the compiled step's dots (`shardkit.hlo.matmul_flops`, loop trips counted)
+- recomputed matmul FLOPs, exactly (and the MoE's all-to-alls, which any policy but `none` runs 6 times per layer
+  instead of 4): the compiled step's dots (`shardkit.hlo.matmul_flops`, loop trips counted)
   under a policy minus under `none` equal the formula's matmul term per device (integer arithmetic on both sides);
 - memory: the compiled temporaries under `none` minus those under a policy (what the policy frees; the terms
   that do not depend on it, gradients, gathered weights, the optimizer's update, cancel) vs the predicted
@@ -93,7 +94,11 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
         tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=step.batch_sharding)
         compiled = step.lower(step.abstract_state(), {"inputs": tokens, "targets": tokens}).compile()
         temp[policy], matmuls[policy] = compiled.memory_analysis().temp_size_in_bytes, hlo.matmul_flops(compiled)
-        pred[policy] = cfg.cost_model(strategy, mesh_axes, {"inputs": shape}, 4, "cpu")[1]["activations"]
+        comms, memory, _ = cfg.cost_model(strategy, mesh_axes, {"inputs": shape}, 4, "cpu")
+        pred[policy] = memory["activations"]
+        if cfg.num_experts:  # the all-to-alls: a remat policy re-runs the forward's two per layer
+            a2a = [c.count for c in hlo.collectives(compiled, mesh) if c.kind == "all-to-all"]
+            assert sum(a2a) == sum(c.count for c in comms if c.kind == "all-to-all") == (4 + 2 * (policy != "none")) * 4
         per_token = grc.recompute_per_token(cfg, policy, shape[1])[0]
         assert matmuls[policy] - matmuls["none"] == per_token * math.prod(shape) / devices, policy
         flops = cfg.recompute_flops(strategy, mesh_axes, {"inputs": shape})
