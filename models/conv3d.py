@@ -74,7 +74,7 @@ def remat_unmodelled(strategy: Any) -> str:
     """The cost hooks' note when `strategy` sets a remat policy their activation formulas (written for `none`) do
     not model ("" when it sets none): docs/spatial.md, Remat."""
     remat = sk.strategy(strategy).kernels.get("remat") or "none"
-    return f"; remat {remat} not modelled: memory as without it" if remat != "none" else ""
+    return f"; remat {remat} not modelled: memory and collectives as without it" if remat != "none" else ""
 
 
 __all__ = ["DEPTH", "HEIGHT", "VOLUME", "WIDTH", "BatchNorm", "batch_norm", "conv3d", "names", "pool",

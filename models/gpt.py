@@ -111,7 +111,7 @@ class GPTConfig:
         from models import gpt_cost, gpt_moe_cost
 
         name = getattr(strategy, "name", strategy)
-        if self.num_experts:  # MoE: expert parallelism's all-to-alls only (the dense formulas do not apply)
+        if self.num_experts:  # MoE under ep*: comms the all-to-alls only; memory the remat rules at the experts' width
             t = sk.strategy(strategy).traits()
             if t.step != "gspmd" or t.kernels.get("moe") not in ("all_to_all", "einsum") or not t.axes("experts"):
                 return None

