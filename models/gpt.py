@@ -150,7 +150,9 @@ class GPTConfig:
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # an SDP worker runs only its k = coverage x L blocks (on its batch shard)
             cfg = dataclasses.replace(self, num_layers=round(sdp.coverage * self.num_layers))
-        return gpt_remat_cost.recompute_flops(cfg, self.remat_policy(strategy), batch * seq, seq, devices)
+        split = mesh.get("tensor", 1) if self.num_experts else 1  # ep_tp: only the experts' mlp over tensor
+        policy = self.remat_policy(strategy)
+        return gpt_remat_cost.recompute_flops(cfg, policy, batch * seq, seq, devices // split, split)
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""

@@ -37,7 +37,8 @@ silu(gate)·up 5). Per token and block:
 - dots: the elementwise work only.
 
 The embedding, the head and the loss are never recomputed (outside the layer scan). Total over the devices /
-devices: every strategy the GPT formulas model splits the forward's FLOPs evenly.
+devices: every strategy the dense GPT formulas model splits the forward's FLOPs evenly. A MoE block under ep_tp
+splits only its experts' MLPs over tensor (attention, router and dispatch are replicated there): `expert_split`.
 """
 
 from __future__ import annotations
@@ -103,15 +104,17 @@ def moe_flops_per_token(cfg: Any, seq_len: int) -> dict[str, float]:
             "experts": 6 * e * f * slots / seq_len, "hidden": f * slots / seq_len}  # fmt: skip
 
 
-def recompute_per_token(cfg: Any, policy: str, seq_len: int) -> tuple[float, float]:
-    """(matmul, elementwise) FLOPs per token that the backward re-runs under `policy`, all blocks (module doc)."""
+def recompute_per_token(cfg: Any, policy: str, seq_len: int, expert_split: int = 1) -> tuple[float, float]:
+    """(matmul, elementwise) FLOPs per token that the backward re-runs under `policy`, all blocks (module doc).
+    `expert_split`: the devices each expert's MLP is split over (ep_tp: tensor), the rest of the block not."""
     e, n, k, hd, f = _shape(cfg)
     L, base = int(cfg.num_layers), policy.partition(":")[0]
     qkv, out, attn = 2 * e * (n + 2 * k) * hd, 2 * n * hd * e, 4 * n * hd * seq_len
     if getattr(cfg, "num_experts", 0):
         moe = moe_flops_per_token(cfg, seq_len)
-        mlp_forward, mlp_batched = moe["router"] + moe["dispatch"] + moe["experts"], moe["dispatch"] + moe["experts"]
-        f = moe["hidden"]  # the SwiGLU's elementwise work runs over every slot
+        experts = moe["experts"] / expert_split
+        mlp_forward, mlp_batched = moe["router"] + moe["dispatch"] + experts, moe["dispatch"] + experts
+        f = moe["hidden"] / expert_split  # the SwiGLU's elementwise work runs over every slot
     else:
         mlp_forward, mlp_batched = 4 * e * f, 0.0  # gate and up; the down projection is the block's last matmul
     if base in ("full", "names", "offload"):
@@ -128,9 +131,12 @@ def recompute_per_token(cfg: Any, policy: str, seq_len: int) -> tuple[float, flo
     raise ShardkitError(f"remat policy {policy!r}: the GPT's cost model knows {', '.join(REMAT_CHOICES)}")
 
 
-def recompute_flops(cfg: Any, policy: str, global_tokens: float, seq_len: int, devices: int) -> float:
-    """FLOPs the backward re-runs per device per step under `policy` (module doc's convention)."""
-    return sum(recompute_per_token(cfg, policy, seq_len)) * global_tokens / devices
+def recompute_flops(
+    cfg: Any, policy: str, global_tokens: float, seq_len: int, devices: int, expert_split: int = 1
+) -> float:  # fmt: skip
+    """FLOPs the backward re-runs per device per step under `policy` (module doc's convention); `devices`: those
+    the tokens are split over, `expert_split` as in `recompute_per_token`."""
+    return sum(recompute_per_token(cfg, policy, seq_len, expert_split)) * global_tokens / devices
 
 
 __all__ = ["POLICIES", "moe_flops_per_token", "recompute_flops", "recompute_per_token", "saved_bytes",

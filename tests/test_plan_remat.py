@@ -87,8 +87,9 @@ POLICIES = ("none", "full", "dots", "dots_no_batch", "names:qkv_proj", "names:ou
     [
         (TINY, "fsdp", {"data": 2, "fsdp": 4}, (16, 32), ("full", "dots_no_batch", *POLICIES[4:])),
         (MOE, "ep", {"data": 2, "expert": 4}, (16, 64), POLICIES[1:]),
+        (MOE, "ep_tp", {"data": 2, "expert": 2, "tensor": 2}, (16, 64), ()),  # the experts' mlp alone over tensor
     ],
-    ids=["dense-fsdp", "moe-ep"],
+    ids=["dense-fsdp", "moe-ep", "moe-ep_tp"],
 )
 def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes, shape, checked):
     mesh, devices = sk.make_mesh(mesh_axes), math.prod(mesh_axes.values())
@@ -106,8 +107,9 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
         if cfg.num_experts:  # the all-to-alls: a remat policy re-runs the forward's two per layer
             a2a = [c.count for c in hlo.collectives(compiled, mesh) if c.kind == "all-to-all"]
             assert sum(a2a) == sum(c.count for c in comms if c.kind == "all-to-all") == (4 + 2 * (policy != "none")) * 4
-        per_token = grc.recompute_per_token(cfg, policy, shape[1])[0]
-        assert matmuls[policy] - matmuls["none"] == per_token * math.prod(shape) / devices, policy
+        split = mesh_axes.get("tensor", 1)  # ep_tp: attention, router, dispatch replicated over tensor
+        per_token = grc.recompute_per_token(cfg, policy, shape[1], split)[0]
+        assert matmuls[policy] - matmuls["none"] == per_token * math.prod(shape) / (devices // split), policy
         assert (cfg.recompute_flops(strategy, mesh_axes, {"inputs": shape}) > 0) == (policy != "none")
     for policy in checked:
         assert pred["none"] - pred[policy] == pytest.approx(temp["none"] - temp[policy], rel=0.10), policy
