@@ -84,6 +84,10 @@ class CosmoFlowConfig:
             f = h
         return n
 
+    #: What `sk.plan` tries by default: the batch over data, and the volume split with explicit halos (the
+    #: formulas model no other exchange; `spatial_halo`'s meshes include data x space).
+    plan_strategies = ("dp", "spatial_halo")
+
     def cost_model(
         self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
     ) -> tuple[list, dict[str, float], str] | None:

@@ -102,6 +102,11 @@ class GPTConfig:
             n -= self.num_layers * 3 * self.d_model * self.mlp_dim * (self.num_experts - self.top_k)
         return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
 
+    @property
+    def plan_strategies(self) -> tuple[str, ...]:
+        """What `sk.plan` tries by default: the strategies these formulas cover (the ep family for a MoE GPT)."""
+        return ("ep", "ep_tp", "ep_fsdp") if self.num_experts else sk.costmodel.DEFAULT_STRATEGIES
+
     def cost_model(
         self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
     ) -> tuple[list, dict[str, float], str] | None:

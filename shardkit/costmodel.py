@@ -265,6 +265,10 @@ def rank_key(p: Plan) -> tuple[bool, float, float]:
     return (not p.fits, p.step_time_s, p.recompute_flops)
 
 
+#: The strategies `plan` tries for a model config without `plan_strategies` (the dense GPT's formulas cover them).
+DEFAULT_STRATEGIES = ("dp", "fsdp", "tp", "tp_sp", "tp3d")
+
+
 def plan(
     model_cfg: Any,
     devices: int,
@@ -272,7 +276,7 @@ def plan(
     global_batch: int,
     seq_len: int | None = None,
     *,
-    strategies: Sequence[Any] = ("dp", "fsdp", "tp", "tp_sp", "tp3d"),
+    strategies: Sequence[Any] | None = None,
     variant: str = "alpha-beta",
     backend: str | None = None,
     nbytes: int = 2,
@@ -290,6 +294,9 @@ def plan(
     the FLOPs; a model without it is planned with "none" only. `remat=None`: the old behaviour, the strategy's
     own slot (or the model's) decides and nothing is recomputed in the ranking.
 
+    `strategies`: those tried; None = the model config's `plan_strategies` (what its formulas cover: the MoE GPT's
+    ep family, CosmoFlow's dp and spatial), else `DEFAULT_STRATEGIES`.
+
     `model_cfg` brings the model's terms (`cost_model`, `indivisible`; module docstring). Plans with indivisible
     shapes are dropped; plans over `memory_fraction` of HBM are rejected (kept, last, with the reason, when
     `include_rejected`). `backend` defaults to the preset's platform. The hook gets the batch as
@@ -303,6 +310,8 @@ def plan(
             "hook; give a model config that has one (the GPT's in models/ does)"
         )
     indivisible = getattr(model_cfg, "indivisible", lambda *_: "")
+    if strategies is None:
+        strategies = tuple(getattr(model_cfg, "plan_strategies", None) or DEFAULT_STRATEGIES)
     if devices < 1 or devices & (devices - 1):
         raise ShardkitError(f"plan: devices={devices} must be a power of two")
     if variant not in ("alpha-beta", "axonn"):
@@ -376,6 +385,6 @@ def format_plans(plans: Sequence[Plan], efficiency: float | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PLAN_HOOKS", "RANKING", "REMAT_POLICIES", "Comm", "CommBuilder", "Plan", "candidates", "comm_time",
-           "format_plans", "merge_comms", "plan", "rank_key", "register_plan_hook", "ring_factor",
-           "tp3d_layer_comms"]  # fmt: skip
+__all__ = ["DEFAULT_STRATEGIES", "PLAN_HOOKS", "RANKING", "REMAT_POLICIES", "Comm", "CommBuilder", "Plan",
+           "candidates", "comm_time", "format_plans", "merge_comms", "plan", "rank_key", "register_plan_hook",
+           "ring_factor", "tp3d_layer_comms"]  # fmt: skip

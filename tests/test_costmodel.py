@@ -8,6 +8,7 @@ the whole GPT train step under the `tp3d` GSPMD rules (SGD, batch 16 x seq 32, e
 `strategy_comms("tp3d", gspmd=True, backend="cpu")` per (kind, mesh axes) vs the compiled step, within 2%.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 
 import shardkit as sk
 from models import gpt_cost as gc
+from models.cosmoflow import CosmoFlowConfig
 from models.gpt import GPT, GPTConfig
 from shardkit import costmodel as cm
 from shardkit import hlo, tensor3d
@@ -173,6 +175,18 @@ def test_plan_bad_input(kwargs, match):
 def test_plan_needs_the_models_cost_hook():
     with pytest.raises(sk.ShardkitError, match=r"has no cost_model\(strategy, mesh, batch_shapes, nbytes, backend\)"):
         cm.plan(object(), devices=8, hardware="perlmutter", global_batch=8, seq_len=16)
+
+
+def test_plan_tries_by_default_the_strategies_the_models_formulas_cover():
+    """Without `strategies=`, each model config's `plan_strategies`: the dense GPT's five, the MoE GPT's ep family,
+    CosmoFlow's dp and explicit-halo spatial split (a model's formulas answer for no other strategy)."""
+    args = dict(devices=8, global_batch=16, include_rejected=True)
+    dense = cm.plan(TINY, hardware="perlmutter", seq_len=32, **args)
+    assert {p.strategy for p in dense} == set(cm.DEFAULT_STRATEGIES) == set(TINY.plan_strategies)
+    moe = cm.plan(dataclasses.replace(TINY, num_experts=4, top_k=2), hardware="perlmutter", seq_len=32, **args)
+    assert {p.strategy for p in moe} == {"ep", "ep_tp", "ep_fsdp"}
+    cosmo = cm.plan(CosmoFlowConfig(size=32, spatial_blocks=2), hardware="lassen", **args)
+    assert {p.strategy for p in cosmo} == {"dp", "spatial_halo"}
 
 
 def test_combined_strategies_compose_their_parts_and_unknown_ones_are_refused():
