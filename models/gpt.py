@@ -116,15 +116,15 @@ class GPTConfig:
         from models import gpt_cost, gpt_moe_cost
 
         name = getattr(strategy, "name", strategy)
-        if self.num_experts:  # MoE under ep*: comms the all-to-alls only; memory the remat rules at the experts' width
+        if self.num_experts:  # MoE under ep*: models/gpt_moe_cost.py (memory: the remat rules at the experts' width)
             t = sk.strategy(strategy).traits()
             if t.step != "gspmd" or t.kernels.get("moe") not in ("all_to_all", "einsum") or not t.axes("experts"):
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
             remat = self.remat_policy(strategy)
-            comms = gpt_moe_cost.comms(self, mesh, batch, seq, nbytes, remat=remat)
+            comms = gpt_moe_cost.comms(self, mesh, batch, seq, nbytes, remat=remat, backend=backend)
             memory = gpt_moe_cost.memory(self, mesh, batch, seq, nbytes, remat=remat)
-            return comms, memory, f"models/gpt_moe_cost.py ({name}: all-to-alls only)"
+            return comms, memory, f"models/gpt_moe_cost.py ({name}, backend {backend})"
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
             batch, seq = next(iter(batch_shapes.values()))[:2]

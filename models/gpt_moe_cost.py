@@ -2,7 +2,7 @@
 memory per remat policy and the divisibility of its shapes; the companion of models/gpt_cost.py for a GPT with
 `num_experts` > 0 (`GPTConfig.cost_model` calls these). Like it, the formulas are per strategy and mesh and name
 mesh axes. Measured against the compiled step: tests/test_moe.py (the all-to-alls), tests/test_plan_remat.py
-(the all-to-alls and what each remat policy frees: measured -1% to +5%, asserted within 10%).
+(the all-to-alls under remat, and what each remat policy frees: measured -1% to +5%, asserted within 10%).
 """
 
 from __future__ import annotations
@@ -17,22 +17,47 @@ from shardkit.costmodel import Comm, CommBuilder
 
 
 def comms(
-    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4, remat: str = "none"
+    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4, remat: str = "none",
+    backend: str = "gpu",
 ) -> list[Comm]:  # fmt: skip
-    """Expert parallelism's all-to-alls (strategies ep / ep_gspmd): per MoE layer 2 forward + 2 backward over
-    `expert`, and under any remat policy but `none` the 2 forward ones again (the backward re-runs the exchange:
-    no policy keeps its outputs, which are no matmul's), each of the [E, G_l, C, d_model] buffer (G_l = sequences
-    per device, C = the capacity per sequence), (X - 1) / X of it sent. Only these: the gradient all-reduces of a
-    MoE step are not modelled."""
+    """The collectives of one MoE GPT step under the ep family (ep, ep_gspmd; ep_tp with `tensor`, ep_fsdp with
+    `fsdp` in `mesh`), per device:
+
+    - the all-to-alls over `expert`: per MoE layer 2 forward + 2 backward, and under any remat policy but `none`
+      the 2 forward ones again (no policy keeps their outputs, which are no matmul's), each of the
+      [E, G_l, C, d_model] buffer (G_l = sequences per device, C = the capacity per sequence);
+    - ep_tp: per layer the all-reduce over `tensor` of the experts' output (Megatron's g) forward, its f backward,
+      and g again when remat re-runs the forward;
+    - ep_fsdp: ZeRO-3 over `fsdp` (every weight has an embed dimension): the local parameters all-gathered forward
+      and the blocks' again backward, the gradients reduce-scattered;
+    - the gradients: the replicated weights' all-reduced over (data, expert), the experts' over data.
+
+    Not modelled: the scalars' and the router's small exchanges (about 1% of the bytes at the tested sizes). XLA
+    may group some reductions differently (ep_fsdp: part of the replicated weights' over fsdp and expert at once);
+    tests/test_moe.py compares each kind's bytes with the compiled step's."""
     from shardkit.parallel.moe import capacity
 
+    x, t, f = mesh.get("expert", 1), mesh.get("tensor", 1), mesh.get("fsdp", 1)
     devices = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))  # the batch axes of ep*
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
     buffer = cfg.num_experts * (global_batch // devices) * cap * cfg.d_model * nbytes
-    b = CommBuilder(mesh, ("expert", "data"), "gpu")
+    b = CommBuilder(mesh, ("tensor", "fsdp", "expert", "data"), backend)
+    remat_note = f", the forward's again under remat {remat}" if remat != "none" else ""
     n = (4 if remat == "none" else 6) * cfg.num_layers
-    what = "forward and backward" + (f", the forward's again under remat {remat}" if remat != "none" else "")
-    b.add("all-to-all", "expert", buffer * n, n, f"MoE dispatch / combine, {what}")
+    b.add("all-to-all", "expert", buffer * n, n, f"MoE dispatch / combine, forward and backward{remat_note}")
+    n = (2 if remat == "none" else 3) * cfg.num_layers
+    b.add("all-reduce", "tensor", buffer * n, n, f"ep_tp: the experts' output g fwd, f bwd{remat_note}")
+    expert_params = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
+    head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)  # embedding and head: not in the blocks
+    replicated = (cfg.num_params() - expert_params) * nbytes / f  # per device, after fsdp's split
+    experts = expert_params * nbytes / (x * t * f)  # this device's experts' slice
+    if f > 1:
+        local = replicated + experts  # this device's shard of every weight, gathered over fsdp
+        b.add("all-gather", "fsdp", local * f, 1, "parameters fwd")
+        b.add("all-gather", "fsdp", (local - head * nbytes / f) * f, 1, "block parameters bwd")
+        b.add("reduce-scatter", "fsdp", local * f, 1, "gradients", gspmd=True)
+    b.add("all-reduce", "data,expert", replicated, 1, "gradients of the replicated weights")
+    b.add("all-reduce", "data", experts, 1, "gradients of the experts' weights")
     return b.comms()
 
 

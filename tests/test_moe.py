@@ -137,11 +137,18 @@ def test_gpt_moe_training_equals_one_device(name, spec):
             state, m = step(state, batch)
             losses.append(float(m["loss"]))
         results[key] = losses, jax.tree.map(np.asarray, state.params), compiled, mesh, m
-        if key != "one":  # sk.explain: the all-to-alls predicted by formula (models/gpt_moe_cost.py) = compiled
+        if key != "one":  # sk.explain: the collectives predicted by formula (models/gpt_moe_cost.py) vs compiled
             report = sk.explain(step, state, batch)
             n, b = report.predicted_comms["all-to-all", "expert"]
             got = [c for c in report.collectives if c.kind == "all-to-all"]
             assert sum(c.count for c in got) == n and sum(c.bytes_sent for c in got) == pytest.approx(b, rel=0.02)
+            # every kind's bytes (XLA groups some gradient reductions over other axes, so per kind, not per axis):
+            # the gradients' all-reduces, ep_tp's g / f, ep_fsdp's gathers; the scalars' and the router's small
+            # exchanges are not modelled (measured: 0.987-1.0 of the compiled bytes per kind)
+            for kind in {k for k, _ in report.predicted_comms}:
+                pred = sum(b for (k, _), (_, b) in report.predicted_comms.items() if k == kind)
+                compiled = sum(c.bytes_sent for c in report.collectives if c.kind == kind)
+                assert pred == pytest.approx(compiled, rel=0.03), (kind, pred, compiled)
     np.testing.assert_allclose(results[name][0], results["one"][0], rtol=1e-5)
     for got, want in zip(jax.tree.leaves(results[name][1]), jax.tree.leaves(results["one"][1]), strict=True):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -166,9 +173,13 @@ def test_plan_covers_expert_parallelism():
     plans = {p.mesh["expert"]: p for p in sk.plan(cfg, devices=8, hardware="gpu_8xh100", global_batch=32,
                                                   seq_len=1024, strategies=("ep",))}  # fmt: skip
     assert set(plans) == {2, 4, 8}
-    # more expert parallelism: less memory per device (the experts split further), more all-to-all traffic
+    # more expert parallelism: less memory per device (the experts split further), more all-to-all traffic, less
+    # gradient traffic (each device's experts' slice, all-reduced over data, shrinks; none at data=1)
     assert plans[8].memory["params"] < plans[4].memory["params"] < plans[2].memory["params"]
-    assert plans[8].comm_bytes > plans[2].comm_bytes
+    rows = lambda p, kind, axis: sum(c.bytes for c in p.comms if c.kind == kind and c.axis == axis)
+    assert rows(plans[8], "all-to-all", "expert") > rows(plans[4], "all-to-all", "expert") > 0
+    grads = [rows(plans[x], "all-reduce", "data") for x in (2, 4, 8)]
+    assert grads[0] > grads[1] > grads[2] == 0
 
 
 # --- the dropless `ragged` kernel (#28): tokens sorted by expert, grouped matmuls ---
