@@ -74,12 +74,12 @@ def memory(
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device under ep: the experts' weights over `expert`, the rest replicated (ZeRO's 16 bytes per
     parameter in mixed precision). Activations under the `remat` policy: models/gpt_remat_cost.py's rules for the
-    dense block with the width of the experts' capacity slots per token (about k·f), and per block the MoE's own
-    tensors, the routing's dispatch and combine masks ([G_l, S, E, C], fp32) and the dispatched and combined
-    tokens ([E, G_l, C, d]). Under `none` every block keeps them all; under `full` only the recomputed block holds
-    them; under `dots` the tokens are kept (the dispatch einsums are batched matmuls) and the masks recomputed;
-    under `dots_no_batch` and `names:` both are recomputed (nothing in them is tagged). `remat` None: the config's
-    `remat` alias (models/gpt.py REMAT_ALIASES), as `gpt_cost.memory`."""
+    dense block with the width of the experts' capacity slots per token (about k·f; / tensor under ep_tp), and per
+    block the MoE's own tensors, the routing's dispatch and combine masks ([G_l, S, E, C], fp32) and the
+    dispatched and combined tokens ([E, G_l, C, d]). Under `none` every block keeps them all; under `full` only
+    the recomputed block holds them; under `dots` the tokens are kept (the dispatch einsums are batched matmuls)
+    and the masks recomputed; under `dots_no_batch` and `names:` both are recomputed (nothing in them is tagged).
+    `remat` None: the config's `remat` alias (models/gpt.py REMAT_ALIASES), as `gpt_cost.memory`."""
     from models.gpt import REMAT_ALIASES
     from shardkit.parallel.moe import capacity
 
@@ -91,7 +91,8 @@ def memory(
     psi = (cfg.num_params() - experts) / mesh.get("fsdp", 1) + experts / (x * shard)
     groups, tokens = global_batch / devices, global_batch / devices * seq_len
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
-    width = round(gpt_remat_cost.moe_flops_per_token(cfg, seq_len)["hidden"])  # the experts' SwiGLU per token
+    t = mesh.get("tensor", 1)  # ep_tp: the experts' mlp over tensor, nothing else
+    width = round(gpt_remat_cost.moe_flops_per_token(cfg, seq_len)["hidden"] / t)  # the experts' SwiGLU per token
     active = dataclasses.replace(cfg, num_experts=0, mlp_dim=width)
     dispatched = 2 * cfg.num_experts * groups * cap * cfg.d_model * nbytes  # [E, G_l, C, d] in and out
     masks = 2 * groups * seq_len * cfg.num_experts * cap * 4  # dispatch and combine, fp32
