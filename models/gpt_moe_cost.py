@@ -27,7 +27,7 @@ def comms(
       the 2 forward ones again (no policy keeps their outputs, which are no matmul's), each of the
       [E, G_l, C, d_model] buffer (G_l = sequences per device, C = the capacity per sequence);
     - ep_tp: per layer the all-reduce over `tensor` of the experts' output (Megatron's g) forward, its f backward,
-      and g again when remat re-runs the forward;
+      and g again when remat re-runs the forward (not under `dots`, which keeps the experts' outputs);
     - ep_fsdp: ZeRO-3 over `fsdp` (every weight has an embed dimension): the local parameters all-gathered forward
       and the blocks' again backward, the gradients reduce-scattered;
     - the gradients: the replicated weights' all-reduced over (data, expert), the experts' over data.
@@ -45,7 +45,7 @@ def comms(
     remat_note = f", the forward's again under remat {remat}" if remat != "none" else ""
     n = (4 if remat == "none" else 6) * cfg.num_layers
     b.add("all-to-all", "expert", buffer * n, n, f"MoE dispatch / combine, forward and backward{remat_note}")
-    n = (2 if remat == "none" else 3) * cfg.num_layers
+    n = (2 if remat.partition(":")[0] in ("none", "dots") else 3) * cfg.num_layers  # dots keeps the g's input
     b.add("all-reduce", "tensor", buffer * n, n, f"ep_tp: the experts' output g fwd, f bwd{remat_note}")
     expert_params = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
     head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)  # embedding and head: not in the blocks

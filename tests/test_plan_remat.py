@@ -105,8 +105,13 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
         comms, memory, _ = cfg.cost_model(strategy, mesh_axes, {"inputs": shape}, 4, "cpu")
         pred[policy] = memory["activations"]
         if cfg.num_experts:  # the all-to-alls: a remat policy re-runs the forward's two per layer
-            a2a = [c.count for c in hlo.collectives(compiled, mesh) if c.kind == "all-to-all"]
+            colls = hlo.collectives(compiled, mesh)
+            a2a = [c.count for c in colls if c.kind == "all-to-all"]
             assert sum(a2a) == sum(c.count for c in comms if c.kind == "all-to-all") == (4 + 2 * (policy != "none")) * 4
+            # ep_tp's all-reduces of the experts' output: g again under a policy that re-runs it (+ a scalar's 8 B)
+            got = sum(c.bytes_sent for c in colls if c.kind == "all-reduce" and c.axes == ("tensor",))
+            want = sum(c.bytes for c in comms if c.kind == "all-reduce" and c.axis == "tensor")
+            assert got == pytest.approx(want, abs=16), policy
         split = mesh_axes.get("tensor", 1)  # ep_tp: attention, router, dispatch replicated over tensor
         per_token = grc.recompute_per_token(cfg, policy, shape[1], split)[0]
         assert matmuls[policy] - matmuls["none"] == per_token * math.prod(shape) / (devices // split), policy
