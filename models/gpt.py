@@ -122,8 +122,8 @@ class GPTConfig:
                 return None
             batch, seq = next(iter(batch_shapes.values()))[:2]
             remat = self.remat_policy(strategy)
-            comms = gpt_moe_cost.comms(self, mesh, batch, seq, nbytes, remat=remat, backend=backend)
-            memory = gpt_moe_cost.memory(self, mesh, batch, seq, nbytes, remat=remat)
+            comms = gpt_moe_cost.comms(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
+            memory = gpt_moe_cost.memory(self, strategy, mesh, batch, seq, nbytes, remat=remat)
             return comms, memory, f"models/gpt_moe_cost.py ({name}, backend {backend})"
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
@@ -148,23 +148,24 @@ class GPTConfig:
     def recompute_flops(self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]]) -> float:
         """`sk.plan`'s hook: FLOPs per device per step the backward re-runs under the strategy's remat policy
         (models/gpt_remat_cost.py states the convention)."""
-        from models import gpt_cost, gpt_remat_cost
+        from models import gpt_cost, gpt_moe_cost, gpt_remat_cost
 
         batch, seq = next(iter(batch_shapes.values()))[:2]
-        devices, cfg = math.prod(mesh.values()), self
+        devices, cfg, split = math.prod(mesh.values()), self, 1
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # an SDP worker runs only its k = coverage x L blocks (on its batch shard)
             cfg = dataclasses.replace(self, num_layers=round(sdp.coverage * self.num_layers))
-        split = mesh.get("tensor", 1) if self.num_experts else 1  # ep_tp: only the experts' mlp over tensor
-        policy = self.remat_policy(strategy)
-        return gpt_remat_cost.recompute_flops(cfg, policy, batch * seq, seq, devices // split, split)
+        if self.num_experts:  # the tokens over the batch's axes; each expert's mlp split further (ep_tp)
+            lay = gpt_moe_cost.Layout.of(strategy)
+            devices, split = lay.size(mesh, lay.batch), lay.size(mesh, lay.mlp)
+        return gpt_remat_cost.recompute_flops(cfg, self.remat_policy(strategy), batch * seq, seq, devices, split)
 
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
         from models import gpt_cost, gpt_moe_cost
 
         if self.num_experts:
-            return gpt_moe_cost.divisibility(self, mesh, global_batch)
+            return gpt_moe_cost.divisibility(self, strategy, mesh, global_batch)
         if gpt_cost.sdp_options(strategy) is not None:
             return gpt_cost.sdp_divisibility(strategy, self, mesh, global_batch)
         return gpt_cost.divisibility(gpt_cost.formula(strategy) or "", self, mesh, global_batch)

@@ -1,7 +1,8 @@
 """The MoE GPT's cost model under expert parallelism (ep, ep_gspmd, ep_tp, ep_fsdp): the all-to-alls, the
 memory per remat policy and the divisibility of its shapes; the companion of models/gpt_cost.py for a GPT with
-`num_experts` > 0 (`GPTConfig.cost_model` calls these). Like it, the formulas are per strategy and mesh and name
-mesh axes. Measured against the compiled step: tests/test_moe.py (the all-to-alls), tests/test_plan_remat.py
+`num_experts` > 0 (`GPTConfig.cost_model` calls these). The mesh axes come from the strategy's tables
+(`Layout.of`: where the experts, the batch, each expert's mlp and the gathered parameters go), never its name.
+Measured against the compiled step: tests/test_moe.py (the all-to-alls), tests/test_plan_remat.py
 (the all-to-alls under remat, and what each remat policy frees: measured -1% to +5%, asserted within 10%).
 """
 
@@ -11,70 +12,102 @@ import dataclasses
 import math
 from typing import Any
 
+import shardkit as sk
 from models import gpt_remat_cost
 from models.gpt_cost import activation_bytes
 from shardkit.costmodel import Comm, CommBuilder
 
 
-def comms(
-    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4, remat: str = "none",
-    backend: str = "gpu",
-) -> list[Comm]:  # fmt: skip
-    """The collectives of one MoE GPT step under the ep family (ep, ep_gspmd; ep_tp with `tensor`, ep_fsdp with
-    `fsdp` in `mesh`), per device:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """An ep-family strategy's mesh axes, read from its tables: the experts' (ep: `expert`), the batch's, each
+    expert's mlp split (ep_tp: tensor) and the parameters' ZeRO-3 axes (ep_fsdp: fsdp, the embed dimension's)."""
 
-    - the all-to-alls over `expert`: per MoE layer 2 forward + 2 backward, and under any remat policy but `none`
-      the 2 forward ones again (no policy keeps their outputs, which are no matmul's), each of the
+    experts: tuple[str, ...]
+    batch: tuple[str, ...]
+    mlp: tuple[str, ...]
+    gathered: tuple[str, ...]
+
+    @classmethod
+    def of(cls, strategy: Any) -> Layout:
+        t = sk.strategy(strategy).traits()
+        experts = t.axes("experts")
+        return cls(experts, t.batch, tuple(a for a in t.axes("mlp") if a not in experts), t.gathered)
+
+    @staticmethod
+    def size(mesh: dict[str, int], axes: tuple[str, ...]) -> int:
+        return math.prod(mesh.get(a, 1) for a in axes)
+
+    def order(self) -> tuple[str, ...]:
+        """The axes innermost first, as `CommBuilder` takes them."""
+        rest = tuple(a for a in self.batch if a not in self.experts + self.gathered)
+        return tuple(dict.fromkeys(self.mlp + self.gathered + self.experts + rest))
+
+
+def comms(
+    cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 4,
+    remat: str = "none", backend: str = "gpu",
+) -> list[Comm]:  # fmt: skip
+    """The collectives of one MoE GPT step under an ep-family strategy (its `Layout`), per device:
+
+    - the all-to-alls over the experts' axes: per MoE layer 2 forward + 2 backward, and under any remat policy but
+      `none` the 2 forward ones again (no policy keeps their outputs, which are no matmul's), each of the
       [E, G_l, C, d_model] buffer (G_l = sequences per device, C = the capacity per sequence);
-    - ep_tp: per layer the all-reduce over `tensor` of the experts' output (Megatron's g) forward, its f backward,
-      and g again when remat re-runs the forward (not under `dots`, which keeps the experts' outputs);
-    - ep_fsdp: ZeRO-3 over `fsdp` (every weight has an embed dimension): the local parameters all-gathered forward
-      and the blocks' again backward, the gradients reduce-scattered;
-    - the gradients: the replicated weights' all-reduced over (data, expert), the experts' over data.
+    - each expert's mlp split (ep_tp): per layer the all-reduce of the experts' output (Megatron's g) forward, its
+      f backward, and g again when remat re-runs the forward (not under `dots`, which keeps the experts' outputs);
+    - gathered parameters (ep_fsdp, ZeRO-3; every weight has an embed dimension): the local parameters
+      all-gathered forward and the blocks' again backward, the gradients reduce-scattered;
+    - the gradients: the replicated weights' all-reduced over the batch's other axes, the experts' over those
+      that are not the experts' either.
 
     Not modelled: the scalars' and the router's small exchanges (about 1% of the bytes at the tested sizes). XLA
     may group some reductions differently (ep_fsdp: part of the replicated weights' over fsdp and expert at once);
     tests/test_moe.py compares each kind's bytes with the compiled step's."""
     from shardkit.parallel.moe import capacity
 
-    x, t, f = mesh.get("expert", 1), mesh.get("tensor", 1), mesh.get("fsdp", 1)
-    devices = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))  # the batch axes of ep*
+    lay = Layout.of(strategy)
+    x, t, f = (lay.size(mesh, a) for a in (lay.experts, lay.mlp, lay.gathered))
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
-    buffer = cfg.num_experts * (global_batch // devices) * cap * cfg.d_model * nbytes
-    b = CommBuilder(mesh, ("tensor", "fsdp", "expert", "data"), backend)
+    buffer = cfg.num_experts * (global_batch // lay.size(mesh, lay.batch)) * cap * cfg.d_model * nbytes
+    b = CommBuilder(mesh, lay.order(), backend)
     remat_note = f", the forward's again under remat {remat}" if remat != "none" else ""
     n = (4 if remat == "none" else 6) * cfg.num_layers
-    b.add("all-to-all", "expert", buffer * n, n, f"MoE dispatch / combine, forward and backward{remat_note}")
+    b.add("all-to-all", ",".join(lay.experts), buffer * n, n, f"MoE dispatch / combine, fwd and bwd{remat_note}")
     n = (2 if remat.partition(":")[0] in ("none", "dots") else 3) * cfg.num_layers  # dots keeps the g's input
-    b.add("all-reduce", "tensor", buffer * n, n, f"ep_tp: the experts' output g fwd, f bwd{remat_note}")
+    b.add("all-reduce", ",".join(lay.mlp), buffer * n, n, f"the experts' output g fwd, f bwd{remat_note}")
     expert_params = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
     head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)  # embedding and head: not in the blocks
-    replicated = (cfg.num_params() - expert_params) * nbytes / f  # per device, after fsdp's split
+    replicated = (cfg.num_params() - expert_params) * nbytes / f  # per device, after the gathered axes' split
     experts = expert_params * nbytes / (x * t * f)  # this device's experts' slice
+    gathered = ",".join(lay.gathered)
     if f > 1:
-        local = replicated + experts  # this device's shard of every weight, gathered over fsdp
-        b.add("all-gather", "fsdp", local * f, 1, "parameters fwd")
-        b.add("all-gather", "fsdp", (local - head * nbytes / f) * f, 1, "block parameters bwd")
-        b.add("reduce-scatter", "fsdp", local * f, 1, "gradients", gspmd=True)
-    b.add("all-reduce", "data,expert", replicated, 1, "gradients of the replicated weights")
-    b.add("all-reduce", "data", experts, 1, "gradients of the experts' weights")
+        local = replicated + experts  # this device's shard of every weight, gathered
+        b.add("all-gather", gathered, local * f, 1, "parameters fwd")
+        b.add("all-gather", gathered, (local - head * nbytes / f) * f, 1, "block parameters bwd")
+        b.add("reduce-scatter", gathered, local * f, 1, "gradients", gspmd=True)
+    over = [a for a in lay.batch if a not in lay.gathered]
+    b.add("all-reduce", ",".join(over), replicated, 1, "gradients of the replicated weights")
+    b.add("all-reduce", ",".join(a for a in over if a not in lay.experts), experts, 1, "the experts' gradients")
     return b.comms()
 
 
-def divisibility(cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
-    """Why a MoE GPT does not split over `mesh` under ep* ("" if it does): experts over expert, batch over the rest."""
-    batch = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
-    if cfg.num_experts % mesh.get("expert", 1) or global_batch % batch:
+def divisibility(cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
+    """Why a MoE GPT does not split over `mesh` under an ep-family strategy ("" if it does): the experts over their
+    axes, the batch over its."""
+    lay = Layout.of(strategy)
+    if cfg.num_experts % lay.size(mesh, lay.experts) or global_batch % lay.size(mesh, lay.batch):
         return f"{cfg.num_experts} experts / batch {global_batch} do not split over {mesh}"
     return ""
 
 
 def memory(
-    cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2, remat: str | None = None
+    cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
+    remat: str | None = None,
 ) -> dict[str, float]:  # fmt: skip
-    """Bytes per device under ep: the experts' weights over `expert`, the rest replicated (ZeRO's 16 bytes per
-    parameter in mixed precision). Activations under the `remat` policy: models/gpt_remat_cost.py's rules for the
-    dense block with the width of the experts' capacity slots per token (about k·f; / tensor under ep_tp), and per
+    """Bytes per device under an ep-family strategy: the experts' weights over their axes (and each expert's mlp
+    split), the rest replicated or over the gathered axes (ZeRO's 16 bytes per parameter in mixed precision).
+    Activations under the `remat` policy: models/gpt_remat_cost.py's rules for the dense block with the width of
+    the experts' capacity slots per token (about k·f; over the mlp split under ep_tp), and per
     block the MoE's own tensors, the routing's dispatch and combine masks ([G_l, S, E, C], fp32) and the
     dispatched and combined tokens ([E, G_l, C, d]). Under `none` every block keeps them all; under `full` only
     the recomputed block holds them; under `dots` the tokens are kept (the dispatch einsums are batched matmuls)
@@ -85,13 +118,12 @@ def memory(
 
     remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none") if remat is None else remat
 
-    x, devices = mesh.get("expert", 1), math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
-    shard = mesh.get("tensor", 1) * mesh.get("fsdp", 1)  # ep_tp: experts' mlp over tensor; ep_fsdp: embed over fsdp
+    lay = Layout.of(strategy)
+    x, t, f, devices = (lay.size(mesh, a) for a in (lay.experts, lay.mlp, lay.gathered, lay.batch))
     experts = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
-    psi = (cfg.num_params() - experts) / mesh.get("fsdp", 1) + experts / (x * shard)
+    psi = (cfg.num_params() - experts) / f + experts / (x * t * f)
     groups, tokens = global_batch / devices, global_batch / devices * seq_len
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
-    t = mesh.get("tensor", 1)  # ep_tp: the experts' mlp over tensor, nothing else
     width = round(gpt_remat_cost.moe_flops_per_token(cfg, seq_len)["hidden"] / t)  # the experts' SwiGLU per token
     active = dataclasses.replace(cfg, num_experts=0, mlp_dim=width)
     dispatched = 2 * cfg.num_experts * groups * cap * cfg.d_model * nbytes  # [E, G_l, C, d] in and out
@@ -108,4 +140,4 @@ def memory(
     return {**mem, "total": sum(mem.values())}
 
 
-__all__ = ["comms", "divisibility", "memory"]
+__all__ = ["Layout", "comms", "divisibility", "memory"]
