@@ -16,6 +16,7 @@ import shardkit as sk
 from models import gpt_remat_cost
 from models.gpt_cost import activation_bytes
 from shardkit.costmodel import Comm, CommBuilder
+from shardkit.layers import remat_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,11 @@ class Layout:
         """The axes innermost first, as `CommBuilder` takes them."""
         rest = tuple(a for a in self.batch if a not in self.experts + self.gathered)
         return tuple(dict.fromkeys(self.mlp + self.gathered + self.experts + rest))
+
+
+def _expert_params(cfg: Any) -> int:
+    """The experts' SwiGLU weights, all layers: L x 3 d f x E."""
+    return cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
 
 
 def comms(
@@ -75,7 +81,7 @@ def comms(
     b.add("all-to-all", ",".join(lay.experts), buffer * n, n, f"MoE dispatch / combine, fwd and bwd{remat_note}")
     n = (2 if remat.partition(":")[0] in ("none", "dots") else 3) * cfg.num_layers  # dots keeps the g's input
     b.add("all-reduce", ",".join(lay.mlp), buffer * n, n, f"the experts' output g fwd, f bwd{remat_note}")
-    expert_params = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
+    expert_params = _expert_params(cfg)
     head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)  # embedding and head: not in the blocks
     replicated = (cfg.num_params() - expert_params) * nbytes / f  # per device, after the gathered axes' split
     experts = expert_params * nbytes / (x * t * f)  # this device's experts' slice
@@ -120,7 +126,7 @@ def memory(
 
     lay = Layout.of(strategy)
     x, t, f, devices = (lay.size(mesh, a) for a in (lay.experts, lay.mlp, lay.gathered, lay.batch))
-    experts = cfg.num_layers * 3 * cfg.d_model * cfg.mlp_dim * cfg.num_experts
+    experts = _expert_params(cfg)
     psi = (cfg.num_params() - experts) / f + experts / (x * t * f)
     groups, tokens = global_batch / devices, global_batch / devices * seq_len
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
@@ -129,7 +135,7 @@ def memory(
     dispatched = 2 * cfg.num_experts * groups * cap * cfg.d_model * nbytes  # [E, G_l, C, d] in and out
     masks = 2 * groups * seq_len * cfg.num_experts * cap * 4  # dispatch and combine, fp32
     block = activation_bytes(active, tokens, seq_len, 1, 1, nbytes) + dispatched + masks
-    base, names = remat.partition(":")[0], {t.strip() for t in remat.partition(":")[2].split(",")}
+    base, names = remat.partition(":")[0], remat_names(remat)
     hidden = tokens * active.mlp_dim * nbytes  # one [tokens, k f] tensor of the active experts
     moe = {"dots": dispatched,  # per block, beyond the dense rules: the batched dispatch einsums' outputs kept,
            "dots_no_batch": -2 * hidden,  # the experts' gate and up recomputed (batched over E: not "no batch")

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit.errors import ShardkitError
-from shardkit.layers import REMAT_CHOICES, REMAT_POLICIES
+from shardkit.layers import REMAT_CHOICES, REMAT_POLICIES, remat_names
 
 #: elementwise FLOPs per element of the recomputed non-matmul work (the convention above)
 NORM, ROPE, SOFTMAX, SWIGLU = 5, 6, 5, 5
@@ -82,7 +82,7 @@ def saved_bytes(
             per += (n * seq_len + n * hd) / hs
     elif base in ("names", "offload"):
         tags = tagged_elements(cfg, es, hs)
-        names = [t.strip() for t in policy.partition(":")[2].split(",") if t.strip()]
+        names = remat_names(policy)
         unknown = [t for t in names if t not in tags]
         if unknown:
             raise ShardkitError(f"remat policy {policy!r}: the GPT tags no {unknown}; it tags {', '.join(tags)}")
@@ -118,7 +118,7 @@ def recompute_per_token(cfg: Any, policy: str, seq_len: int, expert_split: int =
     else:
         mlp_forward, mlp_batched = 4 * e * f, 0.0  # gate and up; the down projection is the block's last matmul
     if base in ("full", "names", "offload"):
-        names = {t.strip() for t in policy.partition(":")[2].split(",")} if base != "full" else set()
+        names = remat_names(policy)
         kept = qkv * ("qkv_proj" in names) + out * ("out_proj" in names) + attn / 2 * ("attn_out" in names)
         return L * (qkv + out + attn + mlp_forward - kept), 0.0
     elementwise = L * (2 * NORM * e + ROPE * (n + k) * hd + SOFTMAX * n * seq_len + SWIGLU * f)

@@ -127,6 +127,12 @@ def _no_options(name: str, base: str) -> None:
         )
 
 
+def remat_names(policy: str) -> tuple[str, ...]:
+    """The tagged names a `names:<a,b>` / `offload:<a,b>` policy keeps (saved or offloaded); () for the others."""
+    base = policy.partition(":")[0]
+    return _names_of(policy, base) if base in ("names", "offload") else ()
+
+
 def _names_of(name: str, base: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in name.partition(":")[2].split(","))
     if name == base or not all(names):
