@@ -21,6 +21,9 @@ from shardkit.parallel import hetero, moe, pipeline, sdp, spatial, tensor3d  # t
 from shardkit.rules import constrain, logical_to_spec, scope, use_rules
 from shardkit.step import TrainState, TrainStep
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
+from shardkit.target import Target, keep_host_platforms, target
+
+keep_host_platforms()  # before JAX starts its backends: no libtpu probe on a host without a TPU (target.py)
 
 # The explain module was shardkit/inspect.py, which shadowed the standard library's `inspect` for scripts run from
 # inside the package; the old import path still works, without a file of that name.
@@ -35,6 +38,7 @@ __all__ = [
     "NonFiniteError",
     "ShardkitError",
     "Strategy",
+    "Target",
     "TrainState",
     "TrainStep",
     "abstract_model",
@@ -71,6 +75,7 @@ __all__ = [
     "state_logical_axes",
     "step",
     "strategy",
+    "target",
     "tensor3d",
     "train",
     "use_rules",

@@ -233,8 +233,23 @@ def resolve_axes(spec: str | Mapping[str, int], num_devices: int) -> dict[str, i
     return axes
 
 
-def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A Mesh with Auto axes from 'data=2,fsdp=4', a dict, or a preset name; validates everything first."""
+def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None, *, target: Any = None) -> Mesh:
+    """A Mesh with Auto axes from 'data=2,fsdp=4', a dict, or a preset name; validates everything first.
+
+    `target`: a TPU slice that need not be present (`sk.target("v5p-128")` or its name): the mesh is built on its
+    compile-only devices (shardkit/target.py), for lowering, compiling and `sk.explain`; nothing runs on them. On a
+    multi-slice target the first axis spans the slices (DCN, the slowest links) and must be a multiple of their
+    number."""
+    if target is not None:
+        if devices is not None:
+            raise ShardkitError("make_mesh: give devices= or target=, not both (a target brings its own devices)")
+        from shardkit.target import target as get_target  # target.py imports this module
+
+        tgt = get_target(target)
+        axes = resolve_axes(spec, tgt.num_devices)
+        if tgt.num_slices > 1:
+            return _multislice_mesh(axes, tgt)
+        devices = tgt.devices
     devices = list(jax.devices() if devices is None else devices)
     if isinstance(spec, str) and spec.strip().replace("-", "_").isidentifier():
         preset = load_preset(spec.strip())
@@ -246,6 +261,22 @@ def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = Non
         spec = preset.axes
     axes = resolve_axes(spec, len(devices))
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def _multislice_mesh(axes: dict[str, int], tgt: Any) -> Mesh:
+    """The slices along the first axis (DCN), each slice's devices laid out by its ICI topology."""
+    from jax.experimental import mesh_utils
+
+    first, degree = next(iter(axes.items()))
+    if degree % tgt.num_slices:
+        raise ShardkitError(
+            f"target {tgt.name} has {tgt.num_slices} slices joined by DCN, which the mesh's first axis "
+            f"{first}={degree} must span: make it a multiple of {tgt.num_slices} (e.g. data={tgt.num_slices},...)"
+        )
+    ici = (degree // tgt.num_slices, *list(axes.values())[1:])
+    dcn = (tgt.num_slices,) + (1,) * (len(axes) - 1)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, tgt.devices)
+    return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 
 def mesh_shape_str(mesh: Mesh) -> str:

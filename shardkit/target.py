@@ -1,0 +1,248 @@
+"""Targets: hardware that need not be present. A TPU slice by its usual name, as compile-only devices.
+
+    tgt = sk.target("v5p-128")                     # 64 chips of TPU v5p (v4 / v5p count TensorCores, 2 per chip)
+    tgt = sk.target("v5e-8x2")                     # two v5e-8 slices joined by DCN
+    mesh = sk.make_mesh("data=2,fsdp=32", target=tgt)
+    step = sk.make_train_step(sk.abstract_model(make_model), tx, mesh, strategy)
+    report = sk.explain(step, step.abstract_state(), step.abstract_batch({"inputs": ((64, 2048), jnp.int32), ...}))
+    report.fits                                    # the TPU compiler's peak within the chip's HBM (less a margin)
+
+XLA's TPU compiler (libtpu, from `pip install "jax[tpu]"`) runs on any host: `jax.experimental.topologies`
+describes a slice's devices without the chips, and a `Mesh` over them lowers and compiles (nothing can run on
+them). The chip figures (HBM, peak FLOP/s, links) come from the presets `meshes/tpu_<generation>_*.toml`.
+
+Names: `<generation>-<n>` with generation v4, v5e (alias v5litepod), v5p, v6e (alias v6litepod); n counts chips for
+v5e / v6e and TensorCores for v4 / v5p (two per chip, one JAX device per chip: "megacore"), as Google Cloud names
+them. `x<k>` adds k slices over the data-center network (DCN): the mesh's first (slowest) axis spans them.
+A libtpu topology name is accepted as it is too: "v5e:2x4", "v5:4x4x4" (chips).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from shardkit.errors import ShardkitError
+from shardkit.mesh import HardwarePreset, available_presets, load_preset
+
+#: generation -> (libtpu's topology prefix, chip config, TensorCores per name unit, slice shapes by chip count, preset)
+_GENERATIONS: dict[str, tuple[str, str | None, int, dict[int, str], str]] = {}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+              512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}  # fmt: skip
+_GENERATIONS.update(
+    v4=("v4", "megacore", 2, _SHAPES_3D, "tpu_v4_32"),
+    v5p=("v5", "megacore", 2, _SHAPES_3D, "tpu_v5p_8"),
+    v5e=("v5e", None, 1, _SHAPES_2D, "tpu_v5e_8"),
+    v6e=("v6e", None, 1, _SHAPES_2D, "tpu_v6e_8"),
+)
+_ALIASES = {"v5litepod": "v5e", "v6litepod": "v6e", "v5": "v5p"}  # Cloud's accelerator-type spellings
+_PREFIX_GEN = {prefix: gen for gen, (prefix, *_rest) in _GENERATIONS.items()}
+#: HBM kept back from `fits`: the TPU runtime holds some memory for itself (program, collective scratch). An
+#: assumption, not a measurement: no chip has been measured here. Override with sk.target(name, hbm_margin=...).
+HBM_MARGIN = 0.05
+
+
+def example_names() -> list[str]:
+    """Target names that exist, one line's worth per generation (for error messages and docs)."""
+    out = []
+    for gen, (_, _, per_chip, shapes, _) in _GENERATIONS.items():
+        out.append(", ".join(f"{gen}-{c * per_chip}" for c in shapes if c * per_chip >= 4 or per_chip == 1))
+    return out
+
+
+def _parse(name: str) -> tuple[str, int, int, str | None]:
+    """name -> (generation, chips per slice, slices, explicit topology shape or None)."""
+    s = name.strip().lower().replace("tpu-", "").replace("tpu_", "")
+    if m := re.fullmatch(r"(v4|v5|v5e|v6e):(\d+(?:x\d+){1,2})(?:x(\d+)slices?)?", s):  # libtpu's own names
+        gen, shape = _PREFIX_GEN[m.group(1)], m.group(2)
+        return gen, math.prod(int(x) for x in shape.split("x")), int(m.group(3) or 1), shape
+    m = re.fullmatch(r"([a-z0-9]+?)-(\d+)(?:x(\d+))?", s)
+    gen = _ALIASES.get(m.group(1), m.group(1)) if m else None
+    if gen not in _GENERATIONS:
+        raise ShardkitError(
+            f"unknown target {name!r}: give a TPU slice by its Cloud name, e.g. "
+            + "; ".join(example_names())
+            + " (v4 / v5p count TensorCores, two per chip); add 'x<k>' for k slices ('v5e-8x2'), or a libtpu "
+            "topology such as 'v5e:2x4'"
+        )
+    n, slices = int(m.group(2)), int(m.group(3) or 1)
+    per_chip, shapes = _GENERATIONS[gen][2], _GENERATIONS[gen][3]
+    if n % per_chip or n // per_chip not in shapes or slices < 1:
+        sizes = ", ".join(f"{gen}-{c * per_chip}" for c in shapes)
+        raise ShardkitError(f"target {name!r}: {gen} slices come in these sizes: {sizes}" + (
+            f" ({gen}'s number counts TensorCores, two per chip)" if per_chip == 2 else "") +
+            "; for another shape give libtpu's topology name, e.g. 'v5e:2x4'")  # fmt: skip
+    return gen, n // per_chip, slices, None
+
+
+def libtpu_missing() -> str:
+    """Why the TPU compiler cannot be loaded here ('' when it can): libtpu is a separate wheel."""
+    if importlib.util.find_spec("libtpu") is not None:
+        return ""
+    import jax
+
+    return (f"XLA's TPU compiler (libtpu) is not installed in {sys.prefix}: "
+            f"pip install \"jax[tpu]=={jax.__version__}\" (no TPU needed: it compiles for the target from this "
+            "machine; about 700 MB)")  # fmt: skip
+
+
+def tpu_attached() -> bool:
+    """A TPU chip on this host's PCI bus (Google's vendor id 0x1ae0), as JAX itself looks for one."""
+    try:
+        return any(p.read_text().strip() == "0x1ae0" for p in _pci_vendors())
+    except OSError:
+        return False
+
+
+def _pci_vendors() -> list[Any]:
+    import pathlib
+
+    return list(pathlib.Path("/sys/bus/pci/devices").glob("*/vendor"))
+
+
+def keep_host_platforms() -> None:
+    """On a host with libtpu installed but no TPU attached, JAX's TPU plugin probes for a chip at start-up and prints
+    libtpu's TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings and an INVALID_ARGUMENT line. Unless the user chose
+    the platforms (`JAX_PLATFORMS` / jax_platforms), keep JAX on this host's own platforms there; the TPU compiler
+    stays available for targets (`jax.experimental.topologies` loads it on demand). A host with a TPU keeps JAX's
+    default (the TPU). Runs at `import shardkit`, before JAX's backends start; afterwards it changes nothing."""
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata-server query from a compile-only host
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")  # several processes (pytest-xdist) may load it
+    import jax
+    from jax._src import xla_bridge
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or xla_bridge.backends_are_initialized():
+        return
+    if libtpu_missing() or tpu_attached():
+        return
+    gpu = any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin"))
+    jax.config.update("jax_platforms", "cuda,cpu" if gpu else "cpu")
+
+
+@functools.cache
+def _devices(topology: str, chip_config: str | None, slices: int) -> tuple[Any, ...]:
+    if why := libtpu_missing():
+        raise ShardkitError(f"cannot compile for TPU target {topology!r}: {why}")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    from jax.experimental import topologies
+
+    kw = {"chip_config_name": chip_config} if chip_config else {}
+    with _stderr_kept() as said:  # libtpu's start-up lines about the absent chip: shown only if this fails
+        try:
+            desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices, **kw)
+        except Exception as e:  # libtpu's own message (an unknown shape for this libtpu, ...)
+            raise ShardkitError(
+                f"libtpu could not describe TPU topology {topology!r} x {slices} slice(s): {e}\n{said()}"
+            ) from e
+    return tuple(desc.devices)
+
+
+@contextlib.contextmanager
+def _stderr_kept() -> Iterator[Callable[[], str]]:
+    """Holds what C++ code writes to file descriptor 2 meanwhile; yields a function that returns it."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as buf:
+        saved = os.dup(2)
+        os.dup2(buf.fileno(), 2)
+        try:
+            yield lambda: (buf.seek(0), buf.read().decode(errors="replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A TPU slice (or several) that need not be present: its compile-only devices and its chip's figures."""
+
+    name: str  # as normalised: "v5p-128", "v5e-8x2"
+    generation: str  # v4 | v5e | v5p | v6e
+    topology: str  # libtpu's topology name, "v5:4x4x4"
+    chip_config: str | None  # "megacore" for v4 / v5p (one JAX device per chip)
+    chips_per_slice: int
+    num_slices: int
+    chip: HardwarePreset  # the generation's preset: HBM per chip, peak FLOP/s, ICI / DCN links
+    hbm_margin: float = HBM_MARGIN  # fraction of HBM `fits` keeps back
+
+    platform = "tpu"
+
+    @property
+    def num_devices(self) -> int:
+        return self.chips_per_slice * self.num_slices
+
+    @property
+    def devices(self) -> list[Any]:
+        """The compile-only devices (slice by slice), from libtpu's topology description; cached per process."""
+        return list(_devices(self.topology, self.chip_config, self.num_slices))
+
+    @property
+    def device_kind(self) -> str:
+        return self.chip.device_kind
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.chip.hbm_bytes
+
+    @property
+    def usable_hbm_bytes(self) -> float:
+        """What `fits` compares the compiled peak with: HBM per chip less the margin."""
+        return self.hbm_bytes * (1.0 - self.hbm_margin)
+
+    @property
+    def peak_flops(self) -> float:
+        return self.chip.peak_flops
+
+    def fits(self, peak_bytes: float) -> tuple[bool, float]:
+        """(whether `peak_bytes` per device fits, the bytes to spare; negative: the bytes it lacks)."""
+        spare = self.usable_hbm_bytes - peak_bytes
+        return spare >= 0, spare
+
+    def preset(self, axes: dict[str, int] | None = None) -> HardwarePreset:
+        """The target as a HardwarePreset for the cost model and the planner (`sk.plan(hardware=...)`): the chip's
+        figures for all its devices; with `axes` (a mesh's), the first axis spans the slices (DCN)."""
+        axes = dict(axes or {"data": self.num_devices})
+        first = next(iter(axes))
+        dcn = {first: self.num_slices} if self.num_slices > 1 else {}
+        ici = {a: (d // self.num_slices if a == first and dcn else d) for a, d in axes.items()}
+        return dataclasses.replace(
+            self.chip, name=self.name, num_devices=self.num_devices, ici=ici, dcn=dcn,
+            description=f"{self.name}: {self.num_slices} x {self.topology} ({self.device_kind}), compile-only target",
+        )  # fmt: skip
+
+    def __str__(self) -> str:
+        slices = f" x {self.num_slices} slices (DCN)" if self.num_slices > 1 else ""
+        chip = f"{self.hbm_bytes / 2**30:.0f} GiB HBM and {self.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip"
+        return f"{self.name} ({self.num_devices} x {self.device_kind}, topology {self.topology}{slices}; {chip})"
+
+
+def target(name: str | Target, *, hbm_margin: float = HBM_MARGIN) -> Target:
+    """The TPU target named `name` ("v5e-8", "v5p-128", "v6e-256", "v4-32", "v5e-8x2", or "v5e:2x4").
+
+    Its devices are created on first use (`Target.devices`); a missing libtpu or an unknown name raises a
+    ShardkitError naming the package or the names that exist."""
+    if isinstance(name, Target):
+        return name
+    if not isinstance(name, str):
+        raise ShardkitError(f"target {name!r}: give a name such as 'v5e-8' or 'v5p-128'")
+    if not 0.0 <= hbm_margin < 1.0:
+        raise ShardkitError(f"hbm_margin={hbm_margin}: a fraction of HBM in [0, 1)")
+    gen, chips, slices, shape = _parse(name)
+    prefix, chip_config, per_chip, shapes, preset_name = _GENERATIONS[gen]
+    shape = shape or shapes[chips]
+    if preset_name not in available_presets():
+        raise ShardkitError(f"target {name!r} needs the preset meshes/{preset_name}.toml (the chip's figures)")
+    canonical = f"{gen}-{chips * per_chip}" + (f"x{slices}" if slices > 1 else "")
+    return Target(canonical, gen, f"{prefix}:{shape}", chip_config, chips, slices, load_preset(preset_name), hbm_margin)
+
+
+__all__ = ["HBM_MARGIN", "Target", "keep_host_platforms", "libtpu_missing", "target", "tpu_attached"]
