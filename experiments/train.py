@@ -5,6 +5,8 @@
     python -m experiments.train --config=experiments/configs/gpt_1b.py --config.data.path=/data/owt   # a pod
     python -m experiments.train --config=experiments/configs/resnet_digits.py     # a ResNet on digits, dp, ~1 min
     python -m experiments.train --config.strategy=auto   # the planner picks strategy, mesh, remat (experiments/auto.py)
+    python -m experiments.train --config=experiments/configs/gpt_7b.py --config.target=v5p-128 --config.compile_only
+                                                         # compile for a TPU slice from here; exit 0 if it fits in HBM
 
 `config.task` picks the model family (experiments/tasks.py): "lm" (GPT on tokens, the default) or
 "image_classification" (ResNet on images). Writes `<run_dir>/<name>/` (name: `--config.name`, default
@@ -51,7 +53,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
-from experiments import auto, runtime
+from experiments import auto, compile_only, runtime
 from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
 from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)
@@ -247,7 +249,15 @@ def _since_process_start() -> float:
 
 
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Trains (or resumes) the run `config` describes; returns a summary dict. Raises ShardkitError on bad config."""
+    """Trains (or resumes) the run `config` describes; returns a summary dict. Raises ShardkitError on bad config.
+    `config.compile_only`: compiles and reports instead (experiments/compile_only.py)."""
+    if config.get("target") and not config.get("compile_only"):
+        raise sk.ShardkitError(
+            f"target={config.target!r}: a target's devices can only be compiled for; add --config.compile_only (on "
+            "a host with those chips, drop --config.target and run as usual)"
+        )
+    if config.get("compile_only"):
+        return compile_only.run(config, print if jax.process_index() == 0 else lambda _: None)
     if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env()) and not (
         jax.distributed.is_initialized()
     ):
@@ -426,6 +436,8 @@ def main(argv: Sequence[str]) -> None:
         sys.exit(2 if isinstance(e, sk.ShardkitError) and not isinstance(e, SaveError) else 1)
     if summary["stopped"]:
         sys.exit(128 + signal.Signals[summary["stopped"]].value)
+    if summary.get("compile_only"):
+        sys.exit(0 if summary["fits"] is not False else 1)  # 1: the compiled peak does not fit in HBM
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit import costmodel, costmodel_rules, hlo, kernels, offload
+from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, target
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
@@ -111,6 +111,28 @@ class Report:
     unnamed_params: list[tuple[str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
     #: per remat policy, the compiled temporary memory and FLOPs (`explain(..., remat_policies=...)`), none first
     remat: list[PolicyFigures] | None = None
+    #: memory per device of the hardware compiled for (a target's chip, or a preset with the devices' kind); None:
+    #: unknown (CPU: host memory, shared by the virtual devices). `fits` compares the peak with it less the margin
+    hbm_bytes: float | None = None
+    hbm_margin: float = 0.0
+    hbm_source: str = ""
+    #: the compiled executable (for `jax.experimental.serialize_executable`); not part of to_dict()
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the compiled peak per device fits the device's HBM less the margin; None when HBM is unknown."""
+        return None if self.hbm_bytes is None else self.memory["peak"] <= self.hbm_bytes * (1 - self.hbm_margin)
+
+    def fits_text(self) -> str:
+        """'fits in HBM: yes, by 3.1 GiB (peak 12.1 GiB of 15.2 GiB usable: 16 GiB TPU v5 lite HBM less 5%)'."""
+        if self.hbm_bytes is None:
+            return f"fits in HBM: unknown (no memory figure for {self.platform} devices; a target or preset gives one)"
+        usable = self.hbm_bytes * (1 - self.hbm_margin)
+        spare = usable - self.memory["peak"]
+        return (f"fits in HBM: {'yes' if spare >= 0 else 'NO'}, by {_h(abs(spare))} "
+                f"{'to spare' if spare >= 0 else 'too much'} (peak {_h(self.memory['peak'])} of {_h(usable)} usable: "
+                f"{_h(self.hbm_bytes)} {self.hbm_source} less {self.hbm_margin:.0%})")  # fmt: skip
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per (kind, mesh axes): measured count / bytes, predicted, and scaled figures when present."""
@@ -182,6 +204,7 @@ class Report:
             "  (predicted: temporaries = gradients + activations, outputs = new parameters + optimizer state;",
             "   peak = arguments + outputs - aliased + temporaries)",
         ]
+        lines += [self.fits_text()]
         lines += [f"note: {n}" for n in self.notes]
         if self.remat:
             lines += ["", format_remat_table(self.remat)]
@@ -196,6 +219,7 @@ class Report:
             prediction_source=self.prediction_source, scaled=self.scaled, notes=list(self.notes),
             unnamed_params=[dict(path=p, shape=list(shape), bytes=b) for p, shape, b in self.unnamed_params],
             remat=[dataclasses.asdict(r) for r in self.remat] if self.remat else None,
+            hbm_bytes=self.hbm_bytes, hbm_margin=self.hbm_margin, hbm_source=self.hbm_source, fits=self.fits,
         )  # fmt: skip
 
     def to_json(self, **kw: Any) -> str:
@@ -233,7 +257,7 @@ class Report:
 
 def explain(
     step: Any, state: Any, batch: Any, *, model_cfg: Any = None, target_mesh: dict[str, int] | None = None,
-    remat_policies: Sequence[str] = (),
+    remat_policies: Sequence[str] = (), hardware: Any = None,
 ) -> Report:  # fmt: skip
     """Compiles `step` for (state, batch) — concrete arrays or ShapeDtypeStructs — and explains it.
 
@@ -242,6 +266,8 @@ def explain(
     `target_mesh`: the plan's mesh when `step.mesh` is a scaled-down stand-in; adds SCALED figures.
     `remat_policies`: also compile the step under each of these remat policies (`none` is always added) and report
     each one's temporary memory and recomputed FLOPs (`remat_figures`, docs/memory.md).
+    `hardware`: what `report.fits` compares the peak with: an `sk.target(...)` (its HBM less its margin) or a
+    HardwarePreset; default: the chip of the mesh's devices (shardkit.target.chip_of), none on CPU.
     """
     with kernels.recording() as traced:  # kernels that issue their own collectives report them while traced
         compiled = step.lower(state, batch).compile()
@@ -297,6 +323,14 @@ def explain(
                      "(pinned_host: the compiled entry layout's S(5) arguments), copied to the devices for the step; "
                      "on XLA:CPU memory_analysis() counts them among the arguments")  # fmt: skip
     report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes, unnamed_params=unnamed)
+    report.compiled = compiled
+    chip = hardware if hardware is not None else target.chip_of(mesh)
+    if chip is not None:
+        report.hbm_bytes, report.hbm_margin = (
+            float(chip.hbm_bytes),
+            float(getattr(chip, "hbm_margin", target.HBM_MARGIN)),
+        )
+        report.hbm_source = f"{getattr(chip, 'device_kind', '')} HBM".strip()
     report.predicted_comms, report.predicted_memory, report.prediction_source = pred
     if remat_policies:
         report.remat = remat_figures(step, state, batch, remat_policies, compiled=compiled)

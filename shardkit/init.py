@@ -25,6 +25,7 @@ from shardkit.errors import ShardkitError
 from shardkit.rules import Rules, named_sharding
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
+from shardkit.target import require_runnable
 
 #: Metadata keys that may hold a variable's logical names, in the order they are looked up.
 NAME_KEYS = ("logical_axes", "out_sharding", "sharding_names", "sharding")
@@ -186,6 +187,7 @@ def sharded_init(
     Parameters take the parameter rules; other state (BatchNorm statistics, RNG streams) the same rules where
     it has logical names, else it is replicated.
     """
+    require_runnable(mesh, "sk.sharded_init")  # a target's devices: the abstract path instead, said so
     bound = get_strategy(strategy).bind(mesh)
     graphdef, abs_params, abs_rest = split_params(abstract_model(make_model, seed))
     shardings = (

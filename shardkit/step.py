@@ -63,6 +63,7 @@ from shardkit.init import is_key, split_params, state_logical_axes, state_shardi
 from shardkit.rules import flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
+from shardkit.target import require_runnable
 
 LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -248,6 +249,7 @@ class TrainStep(abc.ABC):
         sharded. The step may be built from `sk.abstract_model(...)` (shapes only) to validate, lower or restore
         a checkpoint before any parameter exists; then pass the real model here.
         """
+        require_runnable(self.mesh, "step.init_state")
         _, params, rest = split_params(model or self.source_model)
         params, rest = nnx.to_pure_dict(params), self.unwrap_keys(nnx.to_pure_dict(rest))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((params, rest))):
@@ -357,6 +359,27 @@ class TrainStep(abc.ABC):
             self._checked[signature] = self.batch_shardings(batch)
         return (treedef, tuple(map(len, shapes))), self._checked[signature]
 
+    def abstract_batch(self, shapes: Any) -> Any:
+        """ShapeDtypeStructs placed as the step places a batch, from `{"inputs": ((8, 2048), jnp.int32), ...}` (any
+        pytree whose leaves are (shape, dtype) pairs, ShapeDtypeStructs or arrays): what `lower` / `sk.explain` take
+        to compile for a target without data. Checked against the mesh like a real batch."""
+
+        def leaf(x: Any) -> jax.ShapeDtypeStruct:
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+            if (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple | list)
+                    and all(isinstance(d, int | np.integer) for d in x[0])):  # fmt: skip
+                return jax.ShapeDtypeStruct(tuple(int(d) for d in x[0]), jnp.dtype(x[1]))
+            raise ShardkitError(
+                f"abstract_batch: a leaf {x!r} is not (shape, dtype), a ShapeDtypeStruct or an array; write e.g. "
+                '{"inputs": ((8, 2048), jnp.int32), "targets": ((8, 2048), jnp.int32)}'
+            )
+
+        is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple | list)
+        structs = jax.tree.map(leaf, shapes, is_leaf=is_pair)
+        _, shardings = self.prepared(structs)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), structs, shardings)
+
     def prepare(self, batch: Batch) -> Batch:
         """The batch as the compiled step (`lower(...).compile()`) takes it: unchanged here; a step that lays the
         batch out its own way (hetero's per-device micro-batches) overrides this."""
@@ -386,6 +409,7 @@ class TrainStep(abc.ABC):
         return self.cache["step", key]
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        require_runnable(self.mesh, "calling the train step")
         if self.donate:
             check_alive(state, "this TrainState")
         self.check_state(state)
@@ -419,6 +443,7 @@ class TrainStep(abc.ABC):
             if self.has_model_state:
                 raise ShardkitError("this model has state besides parameters: pass the TrainState to evaluate")
             model_state = self.unwrap_keys(self.initial_model_state)
+        require_runnable(self.mesh, "step.evaluate")
         check_alive((params, model_state), "this state")
         key, shardings = self.prepared(batch, evaluation=True)  # evaluation takes the batch whole
         self.jit(key, shardings)

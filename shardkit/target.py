@@ -129,6 +129,59 @@ def keep_host_platforms() -> None:
     jax.config.update("jax_platforms", "cuda,cpu" if gpu else "cpu")
 
 
+def compile_only(mesh: Any) -> bool:
+    """Whether `mesh`'s devices can only be compiled for (a target's topology devices, or a platform this process
+    has not started): nothing can be put on them or run there."""
+    import jax
+
+    devices = getattr(mesh, "devices", None)
+    if devices is None or not getattr(devices, "size", 0):  # an AbstractMesh: a trace, no devices at all
+        return False
+    first = devices.flat[0]
+    try:
+        live = jax.devices(first.platform)
+    except RuntimeError:  # e.g. "tpu" on a host running JAX on cpu: the devices come from libtpu's topology
+        return True
+    return first not in live
+
+
+def require_runnable(mesh: Any, what: str) -> None:
+    """A ShardkitError, before JAX's own AttributeError, when `what` would execute on compile-only devices."""
+    if compile_only(mesh):
+        d = mesh.devices.flat[0]
+        raise ShardkitError(
+            f"{what} runs a computation, and this mesh's {mesh.devices.size} x {d.device_kind} devices can only be "
+            "compiled for (a target: nothing runs on them). Take the abstract path: model = "
+            "sk.abstract_model(make_model); step = sk.make_train_step(model, tx, mesh, strategy); "
+            "sk.explain(step, step.abstract_state(), step.abstract_batch(shapes)) -- or the CLI's "
+            "--config.target=... --config.compile_only"
+        )
+
+
+#: device_kind (as JAX reports it) -> generation, for a mesh built on devices rather than from a name
+_KINDS = {"TPU v4": "v4", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+          "TPU v6 lite": "v6e", "TPU v6e": "v6e"}  # fmt: skip
+
+
+def chip_of(mesh: Any) -> HardwarePreset | None:
+    """The chip figures (HBM, peak FLOP/s) for `mesh`'s devices: the TPU generation's preset, else a preset in
+    meshes/ with the same device_kind; None when unknown (and for CPU, whose 'HBM' is the host's shared memory)."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or not getattr(devices, "size", 0):
+        return None
+    d = devices.flat[0]
+    if d.platform == "cpu":
+        return None
+    gen = _KINDS.get(d.device_kind)
+    if gen is not None:
+        return load_preset(_GENERATIONS[gen][4])
+    for name in available_presets():
+        p = load_preset(name)
+        if p.device_kind == d.device_kind and not p.groups:
+            return p
+    return None
+
+
 @functools.cache
 def _devices(topology: str, chip_config: str | None, slices: int) -> tuple[Any, ...]:
     if why := libtpu_missing():
@@ -245,4 +298,7 @@ def target(name: str | Target, *, hbm_margin: float = HBM_MARGIN) -> Target:
     return Target(canonical, gen, f"{prefix}:{shape}", chip_config, chips, slices, load_preset(preset_name), hbm_margin)
 
 
-__all__ = ["HBM_MARGIN", "Target", "keep_host_platforms", "libtpu_missing", "target", "tpu_attached"]
+__all__ = [
+    "HBM_MARGIN", "Target", "chip_of", "compile_only", "keep_host_platforms", "libtpu_missing", "require_runnable",
+    "target", "tpu_attached",
+]  # fmt: skip

@@ -15,6 +15,12 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- hardware and parallelism
     c.hardware = "cpu8"  # preset in meshes/ (peak FLOP/s for MFU, HBM); "auto" = match jax.devices()
+    c.target = ""  # hardware that need not be present: a TPU slice ("v5e-8", "v5p-128", "v6e-256", "v4-32",
+    #                "v5e-8x2" = 2 slices): the mesh is built on its compile-only devices (shardkit/target.py); needs
+    #                compile_only (nothing can run there) and libtpu (pip install "jax[tpu]"); docs/targets.md
+    c.compile_only = False  # compile the train step (abstract state and batch: no data, no parameters), print
+    #                         explain's report and whether it fits in HBM, exit 0 if it fits, 1 if not
+    c.save_executable = ""  # compile_only: also write the serialized executable to this path
     c.peak_flops = 0.0  # per-device peak FLOP/s override; 0 = the preset's (measured at start-up on CPU)
     c.mesh = "auto"  # "auto": a mesh the strategy fits (fsdp: data=2,fsdp=4 on 8 devices; printed); "axis=degree,..."
     #                  (one degree may be -1), a preset name, or "" = the preset's mesh
