@@ -2,7 +2,19 @@
 
 import sys as _sys
 
-from shardkit import attention, checkpoint, collectives, costmodel, dispatch, kernels, layers, offload, step, train
+from shardkit import (
+    attention,
+    checkpoint,
+    collectives,
+    costmodel,
+    dispatch,
+    kernels,
+    layers,
+    offload,
+    step,
+    targets,
+    train,
+)
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.costmodel import plan
 from shardkit.dispatch import configure, make_train_step, register_step
@@ -21,7 +33,7 @@ from shardkit.parallel import hetero, moe, pipeline, sdp, spatial, tensor3d  # t
 from shardkit.rules import constrain, logical_to_spec, scope, use_rules
 from shardkit.step import TrainState, TrainStep
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
-from shardkit.target import Target, keep_host_platforms, target
+from shardkit.targets import Target, keep_host_platforms, target
 
 keep_host_platforms()  # before JAX starts its backends: no libtpu probe on a host without a TPU (target.py)
 
@@ -76,6 +88,7 @@ __all__ = [
     "step",
     "strategy",
     "target",
+    "targets",
     "tensor3d",
     "train",
     "use_rules",

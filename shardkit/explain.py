@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, target
+from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, targets
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
@@ -118,6 +118,11 @@ class Report:
     hbm_source: str = ""
     #: the compiled executable (for `jax.experimental.serialize_executable`); not part of to_dict()
     compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def hlo_text(self) -> str:
+        """The compiled program's HLO text (after partitioning and the backend's passes: the TPU compiler's own)."""
+        return self.compiled.as_text() if self.compiled is not None else ""
 
     @property
     def fits(self) -> bool | None:
@@ -267,9 +272,10 @@ def explain(
     `remat_policies`: also compile the step under each of these remat policies (`none` is always added) and report
     each one's temporary memory and recomputed FLOPs (`remat_figures`, docs/memory.md).
     `hardware`: what `report.fits` compares the peak with: an `sk.target(...)` (its HBM less its margin) or a
-    HardwarePreset; default: the chip of the mesh's devices (shardkit.target.chip_of), none on CPU.
+    HardwarePreset; default: the chip of the mesh's devices (shardkit.targets.chip_of), none on CPU.
     """
-    with kernels.recording() as traced:  # kernels that issue their own collectives report them while traced
+    # kernels that issue their own collectives report them while traced
+    with kernels.recording() as traced, targets.cache_off_for(step.mesh):
         compiled = step.lower(state, batch).compile()
     # a step traced before (jax's trace cache: this lowering ran no Python) kept its kernels' reports itself
     traced = traced or (step.kernel_calls(batch) if hasattr(step, "kernel_calls") else [])
@@ -324,11 +330,11 @@ def explain(
                      "on XLA:CPU memory_analysis() counts them among the arguments")  # fmt: skip
     report = Report(step.strategy.name, sizes, platform, shapes, colls, memory, notes=notes, unnamed_params=unnamed)
     report.compiled = compiled
-    chip = hardware if hardware is not None else target.chip_of(mesh)
+    chip = hardware if hardware is not None else targets.chip_of(mesh)
     if chip is not None:
         report.hbm_bytes, report.hbm_margin = (
             float(chip.hbm_bytes),
-            float(getattr(chip, "hbm_margin", target.HBM_MARGIN)),
+            float(getattr(chip, "hbm_margin", targets.HBM_MARGIN)),
         )
         report.hbm_source = f"{getattr(chip, 'device_kind', '')} HBM".strip()
     report.predicted_comms, report.predicted_memory, report.prediction_source = pred

@@ -34,7 +34,7 @@ from shardkit.batch_layers import (  # noqa: F401  (sk.layers.BatchNorm, ...: la
     norm_groups,
 )
 from shardkit.errors import ShardkitError
-from shardkit.rules import current_context
+from shardkit.rules import compile_devices, compile_platform, current_context
 
 BlockFn = Callable[..., jax.Array]
 StackKernel = Callable[..., jax.Array]
@@ -144,9 +144,17 @@ def _names_of(name: str, base: str) -> tuple[str, ...]:
 
 
 def _host_memory(platform: str) -> str | None:
-    """Why `platform`'s devices cannot offload activations to `OFFLOAD_DST` memory ("" if they can)."""
-    devices = [d for d in jax.devices() if d.platform == platform] or jax.devices()
-    why = offload.unsupported(devices)  # the same check as the state offload's (shardkit/offload.py)
+    """Why `platform`'s devices cannot offload activations to `OFFLOAD_DST` memory ("" if they can).
+
+    The devices asked are those the program is compiled for (`rules.compile_devices`: a TPU target's compile-only
+    devices list their memories too), else this host's of that platform. Neither exists for an accelerator known
+    only by an abstract mesh (a `shard_map` body of a step that set no concrete mesh, on a target's devices): then
+    nothing is refused here: the up-front check of the strategy's table (`kernels.check` under
+    `rules.compiling_for(mesh)`) is where the real devices are asked, and GPUs and TPUs have `pinned_host`
+    (shardkit/offload.py)."""
+    devices = compile_devices() if compile_platform() == platform else []
+    devices = devices or [d for d in jax.devices() if d.platform == platform]
+    why = offload.unsupported(devices) if devices else ""  # the same check as the state offload's (offload.py)
     if not why and platform == "cpu":  # jax 0.10-0.12: tests/test_offload.py checks the compiled program for S(5)
         return ("its device memory is host memory, and XLA:CPU compiles the policy's moves to pinned_host away "
                 "(nothing moves; the optimizer state and parameters can rest there: Strategy.offload)")  # fmt: skip
@@ -202,12 +210,9 @@ for _name, _fn, _what in [
 
 
 def _platform() -> str:
-    """The active mesh's platform; the default backend's outside a step or on an abstract mesh (inside shard_map,
-    whose `devices` raise)."""
-    mesh = getattr(current_context(), "mesh", None)
-    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
-        return mesh.devices.flat[0].platform
-    return jax.default_backend()
+    """The platform of the devices the program is compiled for (`rules.compile_platform`: the traced step's mesh,
+    an abstract mesh's device inside shard_map, a TPU target's from a CPU host); the host's only outside a step."""
+    return compile_platform()
 
 
 def remat_policy(name: str, platform: str | None = None) -> Callable[..., Any] | None:

@@ -116,6 +116,9 @@ class ShardingContext:
     rules: dict[str, MeshAxes]
     kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # slot -> kernel name
     scopes: dict[str, dict[str, MeshAxes]] = dataclasses.field(default_factory=dict)  # Strategy.scopes
+    #: the concrete mesh of the program being traced: `mesh` itself, or, when `mesh` is the abstract mesh of a
+    #: `shard_map` inside a step (pipeline stages), the enclosing context's; None when no concrete mesh is known
+    devices_mesh: Mesh | None = None
 
     @property
     def attention(self) -> str:
@@ -141,7 +144,9 @@ def use_rules(
     (`layers="pipeline:1f1b"`) are shorthands for entries of it.
     """
     table = {**(kernels or {}), **more, **({"attention": attention} if attention is not None else {})}
-    ctx = ShardingContext(mesh, dict(rules), table, {k: dict(v) for k, v in (scopes or {}).items()})
+    outer = _CONTEXT.get()
+    concrete = mesh if _is_concrete(mesh) else getattr(outer, "devices_mesh", None)
+    ctx = ShardingContext(mesh, dict(rules), table, {k: dict(v) for k, v in (scopes or {}).items()}, concrete)
     token = _CONTEXT.set(ctx)
     try:
         yield ctx
@@ -188,6 +193,70 @@ def scope(path: str) -> Iterator[None]:
 
 def current_context() -> ShardingContext | None:
     return _CONTEXT.get()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The platform a program is compiled for. A mesh may live on devices this host does not run: `sk.make_mesh(spec,
+# target="v5e-8")` compiles a TPU program on a CPU host, so `jax.default_backend()` ("cpu") says nothing about the
+# program. Every platform decision (the ring's chunk, the grouped matmul, cuDNN, host offload of activations) asks
+# `compile_platform` instead, which reads the devices of the mesh being compiled for.
+
+_COMPILING: contextvars.ContextVar[Any] = contextvars.ContextVar("shardkit_compiling_for", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(mesh: Any) -> Iterator[None]:
+    """Platform decisions in this block are made for `mesh`'s devices, outside any traced step: a strategy's
+    kernel table checked up front for the step's mesh (`kernels.check`, e.g. whether `remat=offload:...` can
+    offload on a TPU target compiled from a CPU host). Inside a step the sharding context's mesh comes first."""
+    token = _COMPILING.set(mesh)
+    try:
+        yield
+    finally:
+        _COMPILING.reset(token)
+
+
+def _is_concrete(mesh: Any) -> bool:
+    return isinstance(mesh, Mesh) and mesh.devices.size > 0
+
+
+def _platform_of(mesh: Any) -> str | None:
+    """A concrete mesh's device platform; an abstract one's (a `shard_map` body's `get_abstract_mesh()`, or
+    `mesh.abstract_mesh`) from the abstract device it carries; None when the mesh says nothing."""
+    if _is_concrete(mesh):
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None) if isinstance(mesh, jax.sharding.AbstractMesh) else None
+    return getattr(device, "platform", None)
+
+
+def _program_meshes(mesh: Any = None) -> list[Any]:
+    """The meshes that may say what the program is compiled for, most specific first: `mesh`, the traced step's
+    concrete mesh and its (possibly abstract) mesh, `compiling_for`'s, and JAX's current abstract mesh."""
+    ctx = _CONTEXT.get()
+    found = [mesh, ctx.devices_mesh if ctx else None, ctx.mesh if ctx else None, _COMPILING.get()]
+    return [*found, jax.sharding.get_abstract_mesh()]
+
+
+def compile_platform(mesh: Any = None) -> str:
+    """The platform ("cpu", "gpu" (or "cuda" / "rocm" from a plugin), "tpu") of the devices this program is being
+    compiled for: `mesh`'s when given (a concrete mesh's devices, or an abstract mesh's abstract device), else the
+    traced step's mesh (`use_rules`), else `compiling_for`'s, else the abstract mesh of an enclosing
+    `shard_map`; JAX's default backend only when nothing is traced for a mesh (eager use, no step)."""
+    for m in _program_meshes(mesh):
+        if (platform := _platform_of(m)) is not None:
+            return platform
+    return jax.default_backend()
+
+
+def compile_devices(mesh: Any = None) -> list[Any]:
+    """The concrete devices of the platform `compile_platform(mesh)` names, from the first concrete mesh in the same
+    search; [] when only an abstract mesh is known (inside a `shard_map` whose step set no concrete mesh: hetero,
+    sdp) or no mesh at all."""
+    platform = compile_platform(mesh)
+    for m in _program_meshes(mesh):
+        if _is_concrete(m) and _platform_of(m) == platform:
+            return list(m.devices.flat)
+    return []
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -60,10 +60,10 @@ from shardkit import kernels, offload
 from shardkit.batch import Batch, BatchAxes
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes, state_shardings, unnamed_parameters
-from shardkit.rules import flax_rules, logical_to_spec, use_rules
+from shardkit.rules import compiling_for, flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
-from shardkit.target import require_runnable
+from shardkit.targets import require_runnable
 
 LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -136,7 +136,8 @@ class TrainStep(abc.ABC):
         if microbatches < 1:
             raise ShardkitError(f"microbatches={microbatches} must be >= 1")
         self.strategy = get_strategy(strategy)
-        kernels.check(self.strategy.kernels)
+        with compiling_for(mesh):  # kernel checks that depend on the platform ask the mesh's devices, not the host's
+            kernels.check(self.strategy.kernels)
         self.bound = self.strategy.bind(mesh)
         self.mesh, self.tx, self.microbatches, self.source_model = mesh, optimizer, microbatches, model
         self.loss_fn = self._default_loss(model) if loss_fn is None else loss_fn

@@ -158,6 +158,16 @@ def require_runnable(mesh: Any, what: str) -> None:
         )
 
 
+def cache_off_for(mesh: Any) -> contextlib.AbstractContextManager:
+    """Wraps a `.compile()` for `mesh`: on compile-only devices JAX's persistent compilation cache is off, since its
+    entries for them are written but cannot be read back ("PjRtCompiler must be constructed with a Client to call
+    DeserializeLoadedExecutable": a warning, then a second compile); elsewhere nothing changes."""
+    from jax._src import config as jax_config
+
+    state = getattr(jax_config, "enable_compilation_cache", None)
+    return state(False) if state is not None and compile_only(mesh) else contextlib.nullcontext()
+
+
 #: device_kind (as JAX reports it) -> generation, for a mesh built on devices rather than from a name
 _KINDS = {"TPU v4": "v4", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
           "TPU v6 lite": "v6e", "TPU v6e": "v6e"}  # fmt: skip
@@ -189,7 +199,9 @@ def _devices(topology: str, chip_config: str | None, slices: int) -> tuple[Any, 
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     from jax.experimental import topologies
 
-    kw = {"chip_config_name": chip_config} if chip_config else {}
+    kw: dict[str, Any] = {"chip_config_name": chip_config} if chip_config else {}
+    if math.prod(int(x) for x in topology.partition(":")[2].split("x")) == 1:
+        kw["chips_per_host_bounds"] = (1, 1, 1)  # a one-chip host (v5e-1, v6e-1): libtpu's default host is 2x2x1
     with _stderr_kept() as said:  # libtpu's start-up lines about the absent chip: shown only if this fails
         try:
             desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices, **kw)
@@ -299,6 +311,6 @@ def target(name: str | Target, *, hbm_margin: float = HBM_MARGIN) -> Target:
 
 
 __all__ = [
-    "HBM_MARGIN", "Target", "chip_of", "compile_only", "keep_host_platforms", "libtpu_missing", "require_runnable",
-    "target", "tpu_attached",
+    "HBM_MARGIN", "Target", "cache_off_for", "chip_of", "compile_only", "keep_host_platforms", "libtpu_missing",
+    "require_runnable", "target", "tpu_attached",
 ]  # fmt: skip

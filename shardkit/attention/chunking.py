@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from shardkit.errors import ShardkitError
 
-#: the chunk preferred per backend platform (`jax.Device.platform`) when the caller names none
+#: the chunk preferred per platform of the mesh's devices (`jax.Device.platform`, as `rules.compile_platform` reads
+#: it: a TPU target compiled from a CPU host gets TPU's) when the caller names none
 PREFERRED_CHUNK: dict[str, int] = {"cpu": 128, "gpu": 512, "cuda": 512, "rocm": 512, "tpu": 512}
 #: any other platform (an accelerator plugin)
 ACCELERATOR_CHUNK = 512

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
+from shardkit.rules import compile_platform
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -83,10 +84,11 @@ def cudnn_attention(
             "attention=cudnn does not take segment_ids (packed documents): cuDNN's fused kernel has no segment "
             "mask here; use attention=dense, or train on unpacked sequences"
         )
-    if jax.default_backend() != "gpu":
+    platform = compile_platform()  # the mesh's devices: a TPU target compiled from a GPU host gets no cuDNN
+    if platform not in ("gpu", "cuda"):
         raise ShardkitError(
-            f"attention=cudnn runs on NVIDIA GPUs only; this backend is {jax.default_backend()!r}: use "
-            "attention=dense (or a ring kernel) here"
+            f"attention=cudnn runs on NVIDIA GPUs only; this program is compiled for the mesh's {platform!r} "
+            "devices: use attention=dense (or a ring kernel) there"
         )
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(q.dtype)
 

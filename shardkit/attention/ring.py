@@ -37,7 +37,7 @@ from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.chunking import chunk_size as chunk_size  # re-exported: bench_attention, older callers
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
-from shardkit.rules import ShardingContext
+from shardkit.rules import ShardingContext, compile_platform
 
 #: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on
 #: accelerators). Kept under its old name (it was 512 before the per-backend choice) as the kernels' default.
@@ -313,11 +313,10 @@ ring_local.defvjp(_ring_fwd, _ring_bwd)
 
 
 def mesh_platform(mesh: Mesh) -> str:
-    """The platform of the mesh's devices ("cpu", "gpu", "tpu", ...): what the default chunk is chosen for (an
-    abstract mesh has no devices: the default backend's then)."""
-    if isinstance(mesh, jax.sharding.AbstractMesh):  # its `.devices` raises rather than returning None
-        return jax.default_backend()
-    return mesh.devices.flat[0].platform
+    """The platform of the mesh's devices ("cpu", "gpu", "tpu", ...): what the default chunk is chosen for. The mesh
+    a kernel gets may be abstract (a pipeline stage's `shard_map`) or on compile-only TPU devices from a CPU host:
+    `rules.compile_platform` reads its abstract device, else the traced step's mesh, never the host's backend."""
+    return compile_platform(mesh)
 
 
 def ring_attention(

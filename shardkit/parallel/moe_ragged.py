@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
+from shardkit.rules import compile_platform
 
 #: (expert params with a leading E dim, tokens [N, M] sorted by expert, group sizes int32[E]) -> [N, M]; rows past
 #: sum(sizes) are padding (their output is not read)
@@ -85,7 +86,8 @@ def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int
     taken from the cumulative padded sizes, and one batched matmul [T, tile, K] x [T, K, F]. Its compiled FLOPs
     are 2 T tile K F <= 2 (N + E (tile - 1)) K F: the N rows' plus at most E (tile - 1) rows of padding (within
     10% when N >= 10 E (tile - 1)); XLA's cost analysis adds about one per gathered element, T K F for the
-    weights (1 / (2 tile) of the matmul). Default: "tiled" on CPU (or whenever `tile` is given), else "ragged_dot".
+    weights (1 / (2 tile) of the matmul). Default: "tiled" when the mesh's devices are CPUs (or `tile` is given),
+    else "ragged_dot" (`rules.compile_platform`: a TPU target compiled from a CPU host gets ragged_dot).
 
     The trade: the tiles' weights are gathered into [T, K, F], about (N / tile + E) K F elements, F / tile x the
     activations' N K (and the weight gradient forms as many per-tile products before their scatter-add into [E, K,
@@ -100,7 +102,7 @@ def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int
     backward, and sums the per-tile weight gradients by expert (a sorted segment sum); the gradient of x flows
     through the row gathers (scatter-adds)."""
     if method is None:
-        method = "tiled" if tile is not None or jax.default_backend() == "cpu" else "ragged_dot"
+        method = "tiled" if tile is not None or compile_platform() == "cpu" else "ragged_dot"  # the mesh's devices
     if method == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
     if method != "tiled":
