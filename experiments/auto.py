@@ -45,6 +45,7 @@ class Candidate:
     flops: float = math.nan
     bytes_accessed: float = math.nan
     comm_s: float = math.nan
+    comm_bytes: float = math.nan  # collective bytes sent per device per step, read from the compiled program
     estimate_s: float = math.nan  # roofline + collectives
     fits: bool = False
     note: str = ""
@@ -127,15 +128,17 @@ def rules_candidates(config: Any, devices: int, preset: sk.HardwarePreset, build
 def compiled_estimate(c: Candidate, preset: sk.HardwarePreset, peak: float, budget: float) -> None:
     """Compiles the candidate's train step; fills memory, flops, bytes, the roofline + collectives estimate."""
     step, task = c.run.step, c.run.task
-    c.compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
+    with sk.targets.cache_off_for(step.mesh):
+        c.compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
     ma = c.compiled.memory_analysis()
     get = lambda k: float(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
     c.memory = get("argument") + get("output") - get("alias") + get("temp")
     cost = c.compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
     c.flops, c.bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    c.comm_s = 0.0
+    c.comm_s, c.comm_bytes = 0.0, 0.0
     for col in hlo.collectives(c.compiled, c.run.mesh):
+        c.comm_bytes += col.bytes_sent
         links = [preset.link(a) for a in col.axes if a in c.run.mesh.shape] or [preset.links["ici"]]
         link = min(links, key=lambda link: link.bandwidth)
         c.comm_s += col.count * max(1, col.group_size - 1) * link.latency + col.bytes_sent / link.bandwidth
@@ -149,11 +152,12 @@ def compiled_estimate(c: Candidate, preset: sk.HardwarePreset, peak: float, budg
 
 def table(cands: list[Candidate]) -> str:
     head = (f"{'#':>2} {'strategy':<12} {'mesh':<26} {'remat':<13} {'compiled MiB':>12} {'GFLOP':>8} "
-            f"{'GB moved':>8} {'comm ms':>8} {'est ms':>8}  ranked by / note")  # fmt: skip
+            f"{'GB moved':>8} {'comm MiB':>8} {'comm ms':>8} {'est ms':>8}  ranked by / note")  # fmt: skip
     lines = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         lines.append(f"{i:>2} {c.strategy:<12} {c.short:<26} {c.remat:<13} {c.memory / 2**20:>12,.1f} "
-                     f"{c.flops / 1e9:>8.2f} {c.bytes_accessed / 1e9:>8.3f} {c.comm_s * 1e3:>8.2f} "
+                     f"{c.flops / 1e9:>8.2f} {c.bytes_accessed / 1e9:>8.3f} {c.comm_bytes / 2**20:>8.1f} "
+                     f"{c.comm_s * 1e3:>8.2f} "
                      f"{c.estimate_s * 1e3:>8.2f}  {c.predicted}{'; ' + c.note if c.note else ''}")  # fmt: skip
     return "\n".join(lines)
 
@@ -163,7 +167,8 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
     from experiments.runtime import calibrate_peak_flops, resolve_preset
     from experiments.tasks import build_task
 
-    devices = jax.device_count()
+    tgt = sk.target(config.target) if config.get("target") else None  # compile-only devices: compiled, never run
+    devices = tgt.num_devices if tgt else jax.device_count()
     if any(p.strip().startswith("remat=") for p in str(config.get("kernels", "")).split(",")):
         raise sk.ShardkitError(
             f"strategy=auto chooses the remat policy, kernels={config.kernels!r} names one: drop remat= from "
@@ -174,7 +179,7 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
     if not policies or unknown:
         raise sk.ShardkitError(f"auto.remat={config.auto.remat!r}: give remat policies, comma-separated, from "
                                f"{', '.join(sk.kernels.available('remat'))} (docs/memory.md)")  # fmt: skip
-    preset = resolve_preset(config.hardware)
+    preset = tgt.preset() if tgt else resolve_preset(config.hardware)
     if preset is None:
         raise sk.ShardkitError("strategy=auto needs a hardware preset (links, memory, peak): give --config.hardware")
     if config.auto.top < 1 or not 0 < config.auto.memory_fraction <= 1:
@@ -186,7 +191,7 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
         cands, how = plan_candidates(config, model_cfg, devices, preset), "sk.plan (the model's cost model)"
     if cands is None:
         cands, how = rules_candidates(config, devices, preset, build), "every registered strategy it fits"
-    peak = config.peak_flops or preset.peak_flops or calibrate_peak_flops(jax.devices())
+    peak = config.peak_flops or preset.peak_flops or calibrate_peak_flops(jax.devices())  # a target: its chip's
     budget = config.auto.memory_fraction * preset.hbm_bytes
     compiled: list[Candidate] = []
     for c in cands:
@@ -205,7 +210,9 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
             f"strategy=auto: none of the {len(compiled)} candidates fits {budget / 2**30:.2f} GiB per device; raise "
             "auto.memory_fraction or auto.top, lower batch_size, or use more devices"
         )
-    best = min(fitting, key=lambda c: c.estimate_s)
+    # a target's candidates are ranked by what its compiler says: fitting first (above), then the fewest collective
+    # bytes sent per device (its program's, read back), then memory; a time would need the chip, never run here
+    best = min(fitting, key=(lambda c: (c.comm_bytes, c.memory)) if tgt else (lambda c: c.estimate_s))
     if jax.process_count() > 1:  # one pick for every process (a measured peak differs between them): process 0's
         from jax.experimental import multihost_utils
 
@@ -217,10 +224,15 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
              f"{preset.hbm_bytes / 2**20:,.0f} MiB; peak {peak / 1e9:,.1f} GFLOP/s, hbm "
              f"{preset.hbm_bandwidth / 1e9:,.0f} GB/s):", table(compiled)]  # fmt: skip
     others = ", ".join(f"{c.strategy} {c.estimate_s * 1e3:.2f} ms" for c in fitting if c is not best)
-    why = (f"auto chose {best.strategy} on {best.grid}, remat {best.remat}: the lowest estimated step time "
+    why = (f"auto chose {best.strategy} on {best.grid}, remat {best.remat}: the fewest collective bytes per device "
+           f"({best.comm_bytes / 2**20:,.1f} MiB, read from {tgt.name}'s compiled program) of the candidates that "
+           f"fit ({best.memory / 2**20:,.1f} MiB <= {budget / 2**20:,.0f} MiB)") if tgt else (
+           f"auto chose {best.strategy} on {best.grid}, remat {best.remat}: the lowest estimated step time "
            f"({best.estimate_s * 1e3:.2f} ms, a roofline estimate: max(flops/peak, bytes/bandwidth) + collectives)"
            f" of the candidates that fit ({best.memory / 2**20:,.1f} MiB <= {budget / 2**20:,.0f} MiB)"
            f"{'; vs ' + others if others else ''}")  # fmt: skip
+    if config.compile_only and not tgt:
+        why += " (compile_only: nothing trains)"
     for line in [*lines, why]:
         say(line)
     return best, "\n".join([*lines, why])

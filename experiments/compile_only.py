@@ -102,15 +102,35 @@ def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[s
     return report, header
 
 
-def run(config: ml_collections.ConfigDict, say: Callable[[str], None]) -> dict[str, Any]:
-    """Compiles the run `config` describes and reports it; returns {fits, peak, hbm, compile_s, report}."""
+def run(config: ml_collections.ConfigDict, say: Callable[[str], None], build: Callable | None = None) -> dict[str, Any]:
+    """Compiles the run `config` describes and reports it; returns {fits, peak, hbm, compile_s, report}.
+    `strategy=auto` (with `build`, experiments.train's): the planner's top candidates compiled for the target and
+    ranked by what the compiler says (experiments/auto.py), the pick reported."""
     if config.strategy == "auto":
-        raise sk.ShardkitError(
-            "compile_only with strategy=auto: rank the candidates with `python -m experiments.plan "
-            "--config.target=...` (the TPU compiler's memory and collectives), then compile the chosen strategy here"
-        )
+        from experiments import auto
+
+        if build is None:
+            raise sk.ShardkitError("compile_only with strategy=auto runs from experiments.train (it builds each run)")
+        t0 = time.perf_counter()
+        best, _ = auto.choose(config, build, say)
+        fits = best.fits
+        say(f"compiled {config.auto.top} candidates in {time.perf_counter() - t0:.1f} s; the pick: "
+            f"--config.strategy={best.strategy} --config.mesh={best.grid} --config.kernels=remat={best.remat} "
+            f"({'fits' if fits else 'does NOT fit'}: {best.memory / 2**30:.2f} GiB per device)")  # fmt: skip
+        return dict(compile_only=True, fits=fits, peak=best.memory, hbm=None, compile_s=time.perf_counter() - t0,
+                    report=None, stopped=None, auto=best.overrides())  # fmt: skip
     t0 = time.perf_counter()
-    report, header = explain_config(config)
+    try:
+        report, header = explain_config(config)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # the TPU compiler's own verdict: it will not emit a program larger than the chip's HBM
+        why = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
+        say(f"fits in HBM: NO -- XLA's compiler refused the program for {config.get('target') or 'these devices'}: "
+            f"{why}")  # fmt: skip
+        return dict(compile_only=True, fits=False, peak=None, hbm=None, compile_s=time.perf_counter() - t0,
+                    report=None, stopped=None, refused=why)  # fmt: skip
     compile_s = time.perf_counter() - t0
     say(header)
     say(report.text())

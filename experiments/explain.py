@@ -10,7 +10,7 @@ parameters: the train step is built from the abstract model and compiled for Sha
 shardings. A mesh larger than this machine (a 256-device plan on a laptop) cannot be compiled here: it says so,
 compiles on the largest mesh with the same axis proportions that fits (else with the largest axes halved), and
 prints the figures scaled to the requested mesh, labelled SCALED (method in shardkit/explain.py). With
-`--config.target` (a TPU slice, shardkit/target.py) the step is compiled for that hardware by XLA's TPU compiler,
+`--config.target` (a TPU slice, shardkit/targets.py) the step is compiled for that hardware by XLA's TPU compiler,
 whatever this machine is, and the report says whether it fits in the chips' HBM (docs/targets.md).
 """
 

@@ -2,12 +2,18 @@
 
     python -m experiments.plan --model gpt_7b --devices 1024 --hardware perlmutter [--top 10] [--plot plans.png]
     python -m experiments.plan --model gpt_7b --devices 64 --hardware frontier --variant axonn --batch 64
+    python -m experiments.plan --model gpt_7b --target v5p-128 --batch 256 --compile 3   # + the TPU compiler's word
 
 --model names a GPT config in experiments/configs, or a path to one (its model shape, batch size and sequence length
 are used; --batch / --seq override them). Prints the ranked table of `sk.plan` (the remat policy each plan needs and
 its recompute cost, predicted communication and step time, GiB sent per device, memory per device) and the plans
 rejected for memory; --plot draws the top plans. --remat lists the policies tried (default none, dots,
 dots_no_batch, full: the config's own remat alias is then ignored); --remat=config keeps the config's.
+
+--target names hardware that need not be present (a TPU slice: shardkit/targets.py): the devices and the chip's
+figures are the target's, and the top `--compile` plans that fit (3 by default with a target) are compiled by XLA's
+TPU compiler here, their memory and collective bytes read back next to the prediction, and re-ranked by what the
+compiler says: fitting the chip's HBM first, then the fewest collective bytes per device (docs/targets.md).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import dataclasses
 import importlib
 import sys
+import time
 from pathlib import Path
 
 from models.gpt import GPTConfig
@@ -77,8 +84,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot", default="", help="write a PNG of the top plans")
     policies = ",".join(costmodel.REMAT_POLICIES)
     ap.add_argument("--remat", default=policies, help="remat policies tried per plan; 'config': the config's own only")
+    ap.add_argument("--target", default="", help="a TPU slice (v5e-8, v5p-128, ...): its devices and chip figures")
+    ap.add_argument(
+        "--compile", type=int, default=-1, help="compile the top N plans that fit (default: 3 with --target)"
+    )
     args = ap.parse_args(argv)
     try:
+        if args.target:
+            import shardkit as sk
+
+            tgt = sk.target(args.target)
+            args.devices, args.hardware = tgt.num_devices, tgt.preset()
         cfg, batch, seq = model_from_config(args.model)
         batch, seq = args.batch or batch, args.seq or seq
         remat = None if args.remat == "config" else tuple(p for p in args.remat.split(",") if p)
@@ -90,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     fits = [p for p in plans if p.fits]
-    title = (f"{args.model} ({cfg.num_params() / 1e9:.2f}B params), {args.devices} x {args.hardware}, "
+    hw = getattr(args.hardware, "name", args.hardware)
+    title = (f"{args.model} ({cfg.num_params() / 1e9:.2f}B params), {args.devices} x {hw}, "
              f"batch {batch} x {seq}, {args.variant}")  # fmt: skip
     print(title)
     print(costmodel.format_plans(fits[: args.top], efficiency=0.5))
@@ -101,6 +118,50 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         plot(fits[: args.top], args.plot, title)
         print(f"wrote {args.plot}")
+    n_compile = args.compile if args.compile >= 0 else (3 if args.target else 0)
+    if n_compile:
+        compiled_ranking(args, fits[:n_compile], batch, seq, remat is not None)
+
+
+def compiled_ranking(args: argparse.Namespace, plans: list[costmodel.Plan], batch: int, seq: int, chosen: bool) -> None:
+    """Compiles each plan (for the target with --target, else on this machine's devices) and prints its compiled
+    peak memory and collective bytes next to the prediction, re-ranked: fits first, then fewest collective bytes."""
+    from experiments.compile_only import explain_config
+
+    rows = []
+    for p in plans:
+        config = importlib.import_module(f"experiments.configs.{Path(args.model).stem}").get_config()
+        config.update(strategy=p.strategy, mesh=",".join(f"{a}={n}" for a, n in p.mesh.items()), batch_size=batch,
+                      seq_len=seq, target=args.target)  # fmt: skip
+        if chosen:  # the planner's policy, as experiments.train --config.strategy=auto sets it
+            config.model.remat = "none"
+            config.kernels = ",".join(filter(None, [config.get("kernels", ""), f"remat={p.remat}"]))
+        t0 = time.perf_counter()
+        try:
+            report, _ = explain_config(config)
+        except Exception as e:  # the compiler's refusal (out of HBM) is a verdict on the plan, not an error here
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            rows.append((p, None, time.perf_counter() - t0, str(e).split("RESOURCE_EXHAUSTED:")[1].strip()[:60]))
+            continue
+        rows.append((p, report, time.perf_counter() - t0, ""))
+    key = lambda r: (not (r[1] and r[1].fits), sum(c.bytes_sent for c in r[1].collectives) if r[1] else 0.0)
+    where = f"XLA's TPU compiler for {args.target}" if args.target else "this machine's compiler"
+    print(
+        f"\nthe top {len(rows)} plans compiled by {where}, ranked by what it says (fits first, then collective bytes):"
+    )
+    head = (f"{'strategy':<12} {'mesh':<28} {'remat':<13} {'pred GiB':>9} {'peak GiB':>9} {'pred comm GiB':>13} "
+            f"{'comm GiB':>9} {'fits':>5} {'compile s':>9}")  # fmt: skip
+    print(head + "\n" + "-" * len(head))
+    for p, r, t, why in sorted(rows, key=key):
+        grid = ",".join(f"{a}={n}" for a, n in p.mesh.items() if n > 1)
+        peak = f"{r.memory['peak'] / 2**30:>9.2f}" if r else f"{'-':>9}"
+        comm = f"{sum(c.bytes_sent for c in r.collectives) / 2**30:>9.2f}" if r else f"{'-':>9}"
+        fits = "yes" if r and r.fits else "NO"
+        print(
+            f"{p.strategy:<12} {grid:<28} {p.remat:<13} {p.memory['total'] / 2**30:>9.2f} {peak} "
+            f"{p.comm_bytes / 2**30:>13.2f} {comm} {fits:>5} {t:>9.1f}" + (f"  ({why})" if why else "")
+        )
 
 
 if __name__ == "__main__":

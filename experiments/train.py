@@ -107,10 +107,12 @@ def build(config: ml_collections.ConfigDict) -> Run:
         if key in config and config[key] < 0:
             raise sk.ShardkitError(f"{key}={config[key]} must be >= 0")
     runtime.check_choices(config)
-    preset = resolve_preset(config.hardware)
+    tgt = sk.target(config.target) if config.get("target") else None  # compile-only devices (docs/targets.md)
+    n_dev = tgt.num_devices if tgt else jax.device_count()
     # the config sections named after the strategy's step (`sdp`, `hetero`) and kernels (`pipeline`) configure them
-    strategy = runtime.strategy_of(config, jax.device_count())
-    mesh = sk.make_mesh(runtime.target_axes(config, jax.device_count()))  # "auto": one the strategy fits
+    strategy = runtime.strategy_of(config, n_dev)
+    mesh = sk.make_mesh(runtime.target_axes(config, n_dev), target=tgt)  # "auto": one the strategy fits
+    preset = tgt.preset(dict(mesh.shape)) if tgt else resolve_preset(config.hardware)
     strategy.bind(mesh)
     task = build_task(config)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
@@ -257,7 +259,7 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
             "a host with those chips, drop --config.target and run as usual)"
         )
     if config.get("compile_only"):
-        return compile_only.run(config, print if jax.process_index() == 0 else lambda _: None)
+        return compile_only.run(config, print if jax.process_index() == 0 else lambda _: None, build)
     if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env()) and not (
         jax.distributed.is_initialized()
     ):

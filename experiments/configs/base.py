@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
     # --- hardware and parallelism
     c.hardware = "cpu8"  # preset in meshes/ (peak FLOP/s for MFU, HBM); "auto" = match jax.devices()
     c.target = ""  # hardware that need not be present: a TPU slice ("v5e-8", "v5p-128", "v6e-256", "v4-32",
-    #                "v5e-8x2" = 2 slices): the mesh is built on its compile-only devices (shardkit/target.py); needs
+    #                "v5e-8x2" = 2 slices): the mesh is built on its compile-only devices (shardkit/targets.py); needs
     #                compile_only (nothing can run there) and libtpu (pip install "jax[tpu]"); docs/targets.md
     c.compile_only = False  # compile the train step (abstract state and batch: no data, no parameters), print
     #                         explain's report and whether it fits in HBM, exit 0 if it fits, 1 if not
