@@ -25,7 +25,7 @@ from shardkit.errors import ShardkitError
 from shardkit.rules import Rules, named_sharding
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
-from shardkit.target import require_runnable
+from shardkit.targets import require_runnable
 
 #: Metadata keys that may hold a variable's logical names, in the order they are looked up.
 NAME_KEYS = ("logical_axes", "out_sharding", "sharding_names", "sharding")

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from shardkit.errors import ShardkitError
@@ -237,19 +238,20 @@ def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = Non
     """A Mesh with Auto axes from 'data=2,fsdp=4', a dict, or a preset name; validates everything first.
 
     `target`: a TPU slice that need not be present (`sk.target("v5p-128")` or its name): the mesh is built on its
-    compile-only devices (shardkit/target.py), for lowering, compiling and `sk.explain`; nothing runs on them. On a
+    compile-only devices (shardkit/targets.py), for lowering, compiling and `sk.explain`; nothing runs on them. On a
     multi-slice target the first axis spans the slices (DCN, the slowest links) and must be a multiple of their
     number."""
     if target is not None:
         if devices is not None:
             raise ShardkitError("make_mesh: give devices= or target=, not both (a target brings its own devices)")
-        from shardkit.target import target as get_target  # target.py imports this module
+        from shardkit.targets import target as get_target  # target.py imports this module
 
         tgt = get_target(target)
         axes = resolve_axes(spec, tgt.num_devices)
         if tgt.num_slices > 1:
             return _multislice_mesh(axes, tgt)
-        devices = tgt.devices
+        grid = mesh_utils.create_device_mesh(tuple(axes.values()), tgt.devices, allow_split_physical_axes=True)
+        return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))  # split: fsdp=8 on a 4x4x4 torus
     devices = list(jax.devices() if devices is None else devices)
     if isinstance(spec, str) and spec.strip().replace("-", "_").isidentifier():
         preset = load_preset(spec.strip())
@@ -265,8 +267,6 @@ def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = Non
 
 def _multislice_mesh(axes: dict[str, int], tgt: Any) -> Mesh:
     """The slices along the first axis (DCN), each slice's devices laid out by its ICI topology."""
-    from jax.experimental import mesh_utils
-
     first, degree = next(iter(axes.items()))
     if degree % tgt.num_slices:
         raise ShardkitError(
@@ -275,7 +275,7 @@ def _multislice_mesh(axes: dict[str, int], tgt: Any) -> Mesh:
         )
     ici = (degree // tgt.num_slices, *list(axes.values())[1:])
     dcn = (tgt.num_slices,) + (1,) * (len(axes) - 1)
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, tgt.devices)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, tgt.devices, allow_split_physical_axes=True)
     return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 

@@ -17,6 +17,12 @@ FAST_COMPILE = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
     FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + FAST_COMPILE
+# The tests run on the host's CPU (8 virtual devices); TPU targets are compiled for through libtpu's topology
+# description, which needs no TPU backend (shardkit/targets.py). Without this, libtpu (in the dev extras) would probe
+# for a chip when jax starts its backends below, before `import shardkit` can keep it on the host's platforms.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")  # one libtpu per pytest-xdist worker
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # models/, meshes/ and experiments/ are used from the repository root
 
