@@ -6,11 +6,15 @@
 Replica-group ids are logical partition ids; for a `Compiled` they are mapped to devices through the
 executable's device assignment, for bare text partition `i` is taken to be `mesh.devices.flat[i]`.
 Collectives inside while loops are multiplied by the trip count; conditional branches count as taken.
+XLA's TPU compiler (libtpu) writes forms XLA:CPU does not; each is read where its comment shows it: reduce-scatter
+fusions, async collective fusions, loops without known_trip_count, windowed-einsum rings, megascale (DCN) transfers,
+dots as convolutions.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import graphlib
 import itertools
@@ -50,7 +54,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
 
 def shape_bytes(type_str: str) -> int:
-    """Bytes of an HLO type such as `f32[4,8]{1,0}` or `(bf16[2], s32[])` (tuples summed)."""
+    """Bytes of an HLO type such as `f32[4,8]{1,0}` or `(bf16[2], s32[])` (tuples summed): the logical shape's, as
+    TPU's tiles and memory spaces in a layout (`bf16[1,512,128]{1,0,2:T(2,128)(2,1)S(1)}`) pad no logical byte."""
     total = 0
     for dtype, dims in _SHAPE.findall(type_str):
         n = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
@@ -93,21 +98,26 @@ def _parse_instr(line: str) -> _Instr | None:
     return _Instr(m.group(1), type_str, op.group(1), operands, _METADATA.sub("", rest[close:]))
 
 
-def _parse_module(text: str) -> tuple[dict[str, list[_Instr]], str]:
+#: comps: computation -> its instructions; roots: computation -> its ROOT; by_name: HLO names are unique per module
+_Module = collections.namedtuple("_Module", "comps entry roots by_name")
+
+
+def _parse_module(text: str) -> _Module:
     text = re.sub(r"/\*.*?\*/", "", text)
-    comps: dict[str, list[_Instr]] = {}
-    entry, current = "", None
+    mod, entry, cname = _Module({}, "", {}, {}), "", None
     for line in text.splitlines():
         if " = " not in line and (h := _HEADER.match(line)):
-            current = comps.setdefault(h.group(2), [])
-            entry = h.group(2) if h.group(1) else entry
+            cname, entry = h.group(2), h.group(2) if h.group(1) else entry
+            mod.comps.setdefault(cname, [])
         elif line.strip() == "}":
-            current = None
-        elif current is not None and (ins := _parse_instr(line)):
-            current.append(ins)
+            cname = None
+        elif cname is not None and (ins := _parse_instr(line)):
+            mod.comps[cname].append(ins)
+            mod.by_name[ins.name] = ins
+            mod.roots.update({cname: ins} if line.lstrip().startswith("ROOT ") else {})
     if not entry:
         raise ShardkitError("no ENTRY computation found: pass a jax Compiled or the text of Compiled.as_text()")
-    return comps, entry
+    return mod._replace(entry=entry)
 
 
 _ints = lambda s: [int(x) for x in re.findall(r"\d+", s or "")]
@@ -167,12 +177,14 @@ def parse_replica_groups(value: str, num_devices: int) -> list[list[int]]:
 
 
 def _coords(compiled: Any, mesh: jax.sharding.Mesh) -> np.ndarray:
-    """Row i: the mesh coordinates of partition id i (via the executable's device assignment if known)."""
-    ids = {d.id: pos for pos, d in enumerate(mesh.devices.flat)}
-    try:  # partition i runs on the executable's i-th device
-        order = [ids[d.id] for d in compiled.runtime_executable().local_devices()]
-    except Exception:  # text input, or a device outside the mesh: partition i is mesh.devices.flat[i]
-        order = []
+    """Row i: the mesh coordinates of partition id i, which runs on the executable's i-th device: its runtime's, or
+    for compile-only TPU devices (no runtime) the devices it was compiled for; for text, mesh.devices.flat[i]."""
+    ids, order = {d.id: pos for pos, d in enumerate(mesh.devices.flat)}, []
+    runtime = lambda: compiled.runtime_executable().local_devices()
+    compiled_for = lambda: compiled._executable._unloaded_executable.device_list
+    for devices in (runtime, compiled_for):
+        with contextlib.suppress(Exception):  # text input, or a device outside the mesh
+            order = order or [ids[d.id] for d in devices()]
     order = order if len(order) == mesh.devices.size else list(range(mesh.devices.size))
     return np.array(np.unravel_index(order, mesh.devices.shape)).T.reshape(-1, mesh.devices.ndim)
 
@@ -195,39 +207,123 @@ def _callees(ins: _Instr) -> list[str]:
     return [n.lstrip("%") for m in re.finditer(pattern, ins.attrs) for n in re.findall(r"%?[\w.\-]+", m.group(1))]
 
 
-def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int:
-    """XLA's `known_trip_count`, else `N` from a lone integer constant in the condition, else 1 (unknown)."""
+def _through(mod: _Module, name: str) -> _Instr | None:
+    """The instruction `name`, looking through copies, bitcasts and converts."""
+    ins = mod.by_name.get(name)
+    while ins is not None and ins.opcode in ("copy", "bitcast", "convert") and ins.operands:
+        ins = mod.by_name.get(ins.operands[0])
+    return ins
+
+
+def _const(mod: _Module, name: str) -> int | None:
+    ins = _through(mod, name)
+    value = ins.operands[0] if ins is not None and ins.opcode == "constant" and ins.operands else ""
+    return int(value) if re.fullmatch(r"-?\d+", value) else None
+
+
+def _tuple_index(mod: _Module, name: str) -> int | None:
+    """k when `name` is `get-tuple-element(parameter), index=k`: a value a loop carries."""
+    ins = _through(mod, name)
+    src = mod.by_name.get(ins.operands[0]) if ins is not None and ins.opcode == "get-tuple-element" else None
+    return _ints(re.search(r"\bindex=\d+", ins.attrs).group(0))[0] if src and src.opcode == "parameter" else None
+
+
+def _trip_count(ins: _Instr, mod: _Module) -> int:
+    """XLA's `known_trip_count`, else read off the induction variable: the condition's `i < N` (<=, >, >=, !=) with
+    N constant (`ROOT compare(%get-tuple-element.24, %constant.67), direction=LT`), the body's `i + step`, the
+    constant `i` starts from in the initial tuple; else 1 (unknown). XLA:TPU's loops carry no known_trip_count, and
+    its windowed-einsum loops step by 2."""
     if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs):
         return int(m.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", ins.attrs)
-    cond_instrs = comps.get(cond.group(1) if cond else "", [])
-    consts = [i.operands[0] for i in cond_instrs if i.opcode == "constant" and re.fullmatch(r"[su]\d+\[\]", i.type)]
-    if len(consts) == 1 and consts[0].lstrip("-").isdigit():  # `i < N` with the induction variable
-        init = re.search(r'"known_init_step":\{"init":"(-?\d+)","step":"(\d+)"', ins.attrs)
-        lo, step = (int(init.group(1)), int(init.group(2))) if init else (0, 1)
-        return max(0, -(-(int(consts[0]) - lo) // step))
-    return 1
+    cond, body = (re.search(rf"{k}=%?([\w.\-]+)", ins.attrs) for k in ("condition", "body"))
+    cmp, lo, step = mod.roots.get(cond.group(1) if cond else ""), 0, 1
+    if cmp is None or cmp.opcode != "compare" or len(cmp.operands) != 2:
+        return 1
+    (a, b), d = cmp.operands, re.search(r"direction=(\w+)", cmp.attrs).group(1)
+    if _tuple_index(mod, a) is None:  # `N > i`: read as `i < N`
+        a, b, d = b, a, {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(d, d)
+    k, n, root = _tuple_index(mod, a), _const(mod, b), mod.roots.get(body.group(1) if body else "")
+    init = mod.by_name.get(ins.operands[0])
+    if None in (n, k, root, init) or root.opcode != "tuple" or k >= len(root.operands) or d == "EQ":
+        return 1
+    nxt = _through(mod, root.operands[k])
+    if nxt is not None and nxt.opcode in ("add", "subtract") and _tuple_index(mod, nxt.operands[0]) == k:
+        step = step if (c := _const(mod, nxt.operands[1])) is None else (c if nxt.opcode == "add" else -c)
+    if init.opcode == "tuple" and k < len(init.operands) and (c := _const(mod, init.operands[k])) is not None:
+        lo = c
+    end = n + (d in ("LE", "GE")) * (1 if step > 0 else -1)
+    return max(0, -(-(end - lo) // step)) if step else 1
 
 
-def _multipliers(comps: dict[str, list[_Instr]], entry: str) -> dict[str, tuple[int, bool]]:
+def _multipliers(mod: _Module) -> dict[str, tuple[int, bool]]:
     """Computation -> (executions per step, inside a loop), over the computations reachable from ENTRY."""
     edges: dict[str, list[tuple[str, int, bool]]] = {}
-    for cname, instrs in comps.items():
+    for cname, instrs in mod.comps.items():
         for ins in instrs:
             if _KIND.get(ins.opcode) or ins.opcode.endswith(("-done", "-update")):
                 continue  # reduction bodies hold no collectives; async done/update re-name their start's callee
             body = re.search(r"body=%?([\w.\-]+)", ins.attrs) if ins.opcode == "while" else None
-            trip = _trip_count(ins, comps) if body else 1
-            edges.setdefault(cname, []).extend((c, trip, bool(body)) for c in _callees(ins) if c in comps)
-    graph: dict[str, set[str]] = {c: set() for c in comps}
+            trip = _trip_count(ins, mod) if body else 1
+            edges.setdefault(cname, []).extend((c, trip, bool(body)) for c in _callees(ins) if c in mod.comps)
+    graph: dict[str, set[str]] = {c: set() for c in mod.comps}
     for caller, es in edges.items():
         graph.update({callee: graph[callee] | {caller} for callee, _, _ in es})
-    mult = {c: (int(c == entry), False) for c in comps}
+    mult = {c: (int(c == mod.entry), False) for c in mod.comps}
     for c in graphlib.TopologicalSorter(graph).static_order():  # callers before callees; HLO calls are acyclic
         for callee, trip, is_loop in edges.get(c, []):
             m, loop = mult[callee]
             mult[callee] = (m + mult[c][0] * trip, loop or (mult[c][0] > 0 and (mult[c][1] or is_loop)))
     return mult
+
+
+def _async_role(mod: _Module, cname: str) -> str:
+    """The role, "start" or "done", of the body of an XLA:TPU async collective fusion, whose ROOT is the custom-call
+    `custom-call(%all-gather.97), custom_call_target="AsyncCollectiveStart"` (resp. "...Done"); else ""."""
+    root = mod.roots.get(cname)
+    target = re.search(r'custom_call_target="AsyncCollective(Start|Done)"', root.attrs) if root is not None else None
+    return target.group(1).lower() if target and root.opcode == "custom-call" else ""
+
+
+def _windowed_rings(mod: _Module) -> list[tuple[str, str, list[_Instr]]]:
+    """(computation, kind, ring permutes) of each windowed-einsum loop (XLA:TPU's collective matmul). SPMD
+    partitioning writes an all-gather (or reduce-scatter) feeding a large dot as a while loop whose body,
+    `windowed_dot_general_body_ag` (`_rs`), passes blocks around a bidirectional ring of collective-permutes
+    (`collective-permute-start(%gte), source_target_pairs={{0,1},{1,2},...,{7,0}}`) while it multiplies; one more
+    permute before (`ag`: feeding the loop's initial tuple) or after the loop (`rs`: of its result). On v5e: 2 trips
+    x 4 permutes + 1 = 9 block transfers for an 8-way gather, 9/8 of the gathered bytes. The rule: each run of the
+    loop is one all-gather (reduce-scatter) over the axes the ring moves along, of p blocks of the permutes' buffer
+    size, sent as the ring formula says ((p-1)/p of the gathered bytes), like any other all-gather."""
+    rings = []
+    for cname, instrs in mod.comps.items():
+        for w in instrs:
+            body = re.search(r"body=%?([\w.\-]*windowed_dot_general_body_(ag|rs)[\w.\-]*)", w.attrs)
+            if w.opcode != "while" or not body:
+                continue
+            inner, todo = set(), [body.group(1)]
+            while todo:  # the body and what it calls
+                inner.add(c := todo.pop())
+                todo += [k for i in mod.comps.get(c, []) for k in _callees(i) if k in mod.comps and k not in inner]
+            perms = [i for c in inner for i in mod.comps[c] if _KIND.get(i.opcode) == "collective-permute"]
+            init = mod.by_name.get(w.operands[0]) if w.operands else None
+            before = [_through(mod, o) for o in (init.operands if init is not None and init.opcode == "tuple" else ())]
+            before = [mod.by_name.get(i.operands[0]) if i.opcode.endswith("-done") else i for i in before if i]
+            gtes = {i.name for i in instrs if i.opcode == "get-tuple-element" and i.operands[:1] == (w.name,)}
+            after = [i for i in instrs if i.operands[:1] and i.operands[0] in gtes]
+            perms += [i for i in before + after if i is not None and _KIND.get(i.opcode) == "collective-permute"]
+            rings.append((cname, {"ag": "all-gather", "rs": "reduce-scatter"}[body.group(2)], perms))
+    return rings
+
+
+def _slice_axes(mesh: jax.sharding.Mesh) -> tuple[tuple[str, ...], int]:
+    """(mesh axes along which the devices' TPU slice changes, number of slices)."""
+    slices = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[int])(mesh.devices)
+    vary = [a for a in range(slices.ndim) if slices.shape[a] > 1 and (np.diff(slices, axis=a) != 0).any()]
+    return tuple(mesh.axis_names[a] for a in vary), len(np.unique(slices))
+
+
+def _pairs(ins: _Instr) -> list[list[int]]:
+    pm = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", ins.attrs)
+    return [_ints(g) for g in re.findall(r"\{([\d,\s]+)", pm.group(1))] if pm else []
 
 
 def collectives(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list[Collective]:
@@ -240,17 +336,49 @@ def collectives(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list[Coll
     text = src if isinstance(src, str) else getattr(src, "as_text", lambda: None)()
     if not isinstance(text, str) or "ENTRY" not in text:
         raise ShardkitError("collectives() needs a jax Compiled (jax.jit(f).lower(...).compile()) or its as_text()")
-    comps, entry = _parse_module(text)
+    mod = _parse_module(text)
     coords = _coords(compiled_or_hlo_text, mesh)
     head = re.search(r"num_partitions=(\d+)", text), re.search(r"replica_count=(\d+)", text)
     n_dev = math.prod(int(h.group(1)) for h in head if h) if any(head) else mesh.devices.size
-    types = {i.name: i.type for instrs in comps.values() for i in instrs}
-    done = {i.operands[0]: i.type for c in comps.values() for i in c if i.opcode.endswith("-done") and i.operands}
+    types = {name: i.type for name, i in mod.by_name.items()}
+    done = {i.operands[0]: i.type for i in mod.by_name.values() if i.opcode.endswith("-done") and i.operands}
+    mults = _multipliers(mod)
     rows: dict[tuple, list] = collections.defaultdict(lambda: [0, 0.0])
-    for cname, (mult, in_loop) in _multipliers(comps, entry).items():
-        for ins in comps[cname]:
+
+    def record(kind: str, axes: tuple, p: int, result: int, operand: int, cname: str) -> None:
+        mult, in_loop = mults[cname]
+        if not mult:  # unreachable from ENTRY
+            return
+        row = rows[kind, axes, p, result, operand, in_loop]
+        factor = {"all-reduce": 2 * (p - 1) / p, "collective-permute": 1.0}.get(kind, (p - 1) / p)  # ring
+        row[0], row[1] = row[0] + mult, row[1] + mult * factor * (result if kind == "all-gather" else operand)
+
+    absorbed = set()  # a windowed-einsum ring counts as the one all-gather (reduce-scatter) it implements
+    for cname, kind, perms in _windowed_rings(mod):
+        absorbed |= {i.name for i in perms}
+        axes, p = _axes([pr for i in perms for pr in _pairs(i)], coords, mesh, exact=False) if perms else ((), 1)
+        block = max((shape_bytes(types.get(o, "")) for i in perms for o in i.operands), default=0)
+        record(kind, axes, p, *((p * block, block) if kind == "all-gather" else (block, p * block)), cname)
+    # An async collective fusion repeats its collective (same frontend_attributes={chain_id="0"}) in the start,
+    # in each fusion it overlaps with (`async_collective_fusion.N`, ROOT a tuple) and in the done: count the start's.
+    chain = lambda i: m.group(1) if (m := re.search(r'\bchain_id="([^"]*)"', i.attrs)) else None
+    started = {chain(i) for c in mod.comps if _async_role(mod, c) == "start" for i in mod.comps[c]} - {None}
+    # A reduce-scatter on TPU: `fusion(%a, %b), kind=kCustom, calls=%all-reduce-scatter.4` whose body all-reduces
+    # its inputs and dynamic-slices this device's part: one reduce-scatter, the fusion's inputs to its output.
+    fusions = {c: i for i in mod.by_name.values() if i.opcode == "fusion" for c in _callees(i)}  # body -> caller
+    for cname in mults:
+        role = _async_role(mod, cname)
+        for ins in mod.comps[cname]:
             kind = _KIND.get(ins.opcode)
-            if kind is None or mult == 0:
+            if ins.opcode == "send" and (dcn := re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attrs)):
+                # Across slices XLA:TPU hands a collective to the megascale (DCN) runtime as a host-transfer pair
+                # `send(%x, %token), is_host_transfer=true, frontend_attributes={..._xla_megascale_transfer_type=
+                # "ALL_REDUCE"}` + `recv`: one collective, over the mesh axes along which devices change slice.
+                (axes, p), size, dcn_kind = _slice_axes(mesh), shape_bytes(types.get(ins.operands[0], "")), dcn.group(1)
+                result = {"ALL_GATHER": size * p, "REDUCE_SCATTER": size // p}.get(dcn_kind, size)
+                record(dcn_kind.lower().replace("_", "-"), axes, p, result, size, cname)
+            repeat = role == "done" or (role != "start" and chain(ins) in started)  # a start's copy, counted there
+            if kind is None or ins.name in absorbed or repeat:
                 continue
             ops = ins.operands[:1] if "slice_sizes=" in ins.attrs else ins.operands
             operand = sum(shape_bytes(types.get(o, "")) for o in ops)
@@ -259,20 +387,34 @@ def collectives(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list[Coll
                 elems = _split_top(result_type[1:-1])  # (operands, results, context...) of an async start
                 result_type = elems[1] if len(elems) > 1 and shape_bytes(elems[0]) == operand else result_type
             result = shape_bytes(result_type)
+            if kind == "all-reduce" and cname.startswith("all-reduce-scatter") and (fusion := fusions.get(cname)):
+                kind, result = "reduce-scatter", shape_bytes(fusion.type)
+                operand = sum(shape_bytes(types.get(o, "")) for o in fusion.operands)
             if kind == "collective-permute":
-                pm = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", ins.attrs)
-                pairs = [_ints(g) for g in re.findall(r"\{([\d,\s]+)", pm.group(1))] if pm else []
+                pairs = _pairs(ins)
                 axes, p = _axes(pairs, coords, mesh, exact=False) if pairs else ((), 1)
             else:
                 rg = re.search(r"replica_groups=(.*)", ins.attrs)
                 groups = parse_replica_groups(rg.group(1), n_dev) if rg else [list(range(n_dev))]
                 axes, p = _axes(groups, coords, mesh, exact=True) if max(map(len, groups)) > 1 else ((), 1)
-            key = (kind, axes, p, result, operand, in_loop)
-            rows[key][0] += mult
-            factor = {"all-reduce": 2 * (p - 1) / p, "collective-permute": 1.0}.get(kind, (p - 1) / p)  # ring
-            rows[key][1] += mult * factor * (result if kind == "all-gather" else operand)
+            record(kind, axes, p, result, operand, cname)
     out = [Collective(k, a, p, c, r, o, s, lp) for (k, a, p, r, o, lp), (c, s) in rows.items()]
     return sorted(out, key=lambda c: (-c.bytes_sent, c.kind, c.axes, c.in_loop))
+
+
+def _taps(n_in: int, n_out: int, size: int, stride=1, pad=0, lhs_dilate=1, rhs_dilate=1, **_: int) -> int:
+    """(output, window) position pairs of one spatial dimension that multiply-add. Padding counts, as a dense kernel
+    computes it, where the window fits the input (a SAME convolution's borders); where it does not, only pairs that
+    read an input element count: XLA:TPU writes a dot's free and batch dimensions as windows wider than their input
+    (`window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}` over size 1) or over a dilated input (`lhs_dilate=2x4`)."""
+    if lhs_dilate == 1 and size <= n_in:
+        return n_out * size
+    q = np.arange(size) * rhs_dilate - pad  # the input position each tap reads for output 0
+    if lhs_dilate == 1:  # per tap, the outputs o with 0 <= o * stride + q < n_in
+        last, first = np.minimum(n_out - 1, (n_in - 1 - q) // stride), np.maximum(0, -(q // stride))
+        return int(np.maximum(0, last - first + 1).sum())
+    pos = np.arange(n_out)[:, None] * stride + q[None, :]
+    return int(np.count_nonzero((pos >= 0) & (pos <= (n_in - 1) * lhs_dilate) & (pos % lhs_dilate == 0)))
 
 
 def _dot_flops(ins: _Instr, types: dict[str, str]) -> int:
@@ -283,14 +425,20 @@ def _dot_flops(ins: _Instr, types: dict[str, str]) -> int:
         dims = _ints(lhs.group(2)) if lhs else []
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
         return 2 * out * math.prod(dims[i] for i in _ints(contracting.group(1)) if i < len(dims)) if contracting else 0
-    if ins.opcode == "convolution" and len(ins.operands) > 1:
-        rhs = _SHAPE.search(types.get(ins.operands[1], ""))
-        labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-        if not rhs or not labels or "o" not in labels.group(1):
-            return 0
-        dims = _ints(rhs.group(2))
-        return 2 * out * math.prod(dims) // max(dims[labels.group(1).index("o")], 1)  # out x window x in / groups
-    return 0
+    if ins.opcode != "convolution" or len(ins.operands) < 2:
+        return 0
+    shapes = [_SHAPE.search(t) for t in (types.get(ins.operands[0], ""), types.get(ins.operands[1], ""), ins.type)]
+    if not all(shapes) or not (labels := re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)):
+        return 0
+    (lhs, rhs, res), (ll, rl, ol) = [_ints(m.group(2)) for m in shapes], labels.groups()
+    win = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(re.findall(r"(\w+)=([-\d_x]+)", win.group(1))) if win else {}  # size=3x3 stride=1x1 pad=1_1x1_1
+    dim = lambda i: {k: int(v.split("x")[i].split("_")[0]) for k, v in fields.items()}  # pad: the low side's
+    spatial = sorted(c for c in rl if c.isdigit())  # window entry i is spatial dimension "i" of the labels
+    taps = math.prod(
+        _taps(lhs[ll.index(d)], res[ol.index(d)], **{"size": rhs[rl.index(d)], **dim(i)}) for i, d in enumerate(spatial)
+    )
+    return 2 * res[ol.index("b")] * res[ol.index("f")] * rhs[rl.index("i")] * taps  # batch x out x in/groups x taps
 
 
 def matmul_flops(compiled_or_hlo_text: Any) -> int:
@@ -299,10 +447,9 @@ def matmul_flops(compiled_or_hlo_text: Any) -> int:
     layers as one layer), so the recomputation of a scanned layer stack shows there at 1/L of its size."""
     src = compiled_or_hlo_text
     text = src if isinstance(src, str) else src.as_text()
-    comps, entry = _parse_module(text)
-    types = {i.name: i.type for instrs in comps.values() for i in instrs}  # HLO names are unique per module
-    mult = _multipliers(comps, entry)
-    return sum(m * sum(_dot_flops(ins, types) for ins in comps[c]) for c, (m, _) in mult.items() if m)
+    mod = _parse_module(text)
+    types = {name: i.type for name, i in mod.by_name.items()}
+    return sum(m * sum(_dot_flops(ins, types) for ins in mod.comps[c]) for c, (m, _) in _multipliers(mod).items() if m)
 
 
 def summarize(colls: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:

@@ -158,14 +158,34 @@ def require_runnable(mesh: Any, what: str) -> None:
         )
 
 
-def cache_off_for(mesh: Any) -> contextlib.AbstractContextManager:
-    """Wraps a `.compile()` for `mesh`: on compile-only devices JAX's persistent compilation cache is off, since its
-    entries for them are written but cannot be read back ("PjRtCompiler must be constructed with a Client to call
-    DeserializeLoadedExecutable": a warning, then a second compile); elsewhere nothing changes."""
-    from jax._src import config as jax_config
+@contextlib.contextmanager
+def cache_off_for(mesh: Any) -> Iterator[None]:
+    """Wraps a `.compile()` for `mesh`: on compile-only devices JAX's persistent compilation cache is bypassed, since
+    its entries for them are written but cannot be read back ("PjRtCompiler must be constructed with a Client to
+    call DeserializeLoadedExecutable": a warning, then the compile again). JAX decides once per process whether the
+    cache is used (jax._src.compilation_cache.is_cache_used, memoised), so the `jax_enable_compilation_cache` flag
+    alone does not reach a process that has compiled before: that decision is set to "not used" for the duration
+    and restored after. Elsewhere nothing changes."""
+    if not compile_only(mesh):
+        yield
+        return
+    from jax._src import compilation_cache as cc
 
-    state = getattr(jax_config, "enable_compilation_cache", None)
-    return state(False) if state is not None and compile_only(mesh) else contextlib.nullcontext()
+    lock = getattr(cc, "_cache_initialized_mutex", None)
+    if lock is None or not hasattr(cc, "_cache_checked") or not hasattr(cc, "_cache_used"):  # another jax: the flag
+        from jax._src import config as jax_config
+
+        with jax_config.enable_compilation_cache(False):
+            yield
+        return
+    with lock:
+        saved = cc._cache_checked, cc._cache_used
+        cc._cache_checked, cc._cache_used = True, False
+    try:
+        yield
+    finally:
+        with lock:
+            cc._cache_checked, cc._cache_used = saved
 
 
 #: device_kind (as JAX reports it) -> generation, for a mesh built on devices rather than from a name
