@@ -42,7 +42,7 @@ from typing import Any
 
 from shardkit.errors import ShardkitError
 from shardkit.layers import REMAT_POLICIES  # the policies `plan` tries per (strategy, mesh) by default
-from shardkit.mesh import HardwarePreset, Link, load_preset, preset_dirs
+from shardkit.presets import HardwarePreset, Link, load_preset, preset_dirs
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 #: AxoNN's nesting order, innermost first: col (x) -> row (y) -> depth (z) -> data.

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.mesh import HardwarePreset
+from shardkit.presets import HardwarePreset
 from shardkit.step import TrainStep
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy

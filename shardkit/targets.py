@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardkit.errors import ShardkitError
-from shardkit.mesh import HardwarePreset, available_presets, load_preset
+from shardkit.presets import HardwarePreset, available_presets, load_preset
 
 #: generation -> (libtpu's topology prefix, chip config, TensorCores per name unit, slice shapes by chip count, preset)
 _GENERATIONS: dict[str, tuple[str, str | None, int, dict[int, str], str]] = {}
