@@ -123,7 +123,7 @@ class GPTConfig:
             batch, seq = next(iter(batch_shapes.values()))[:2]
             remat = self.remat_policy(strategy)
             comms = gpt_moe_cost.comms(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
-            memory = gpt_moe_cost.memory(self, strategy, mesh, batch, seq, nbytes, remat=remat)
+            memory = gpt_moe_cost.memory(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
             return comms, memory, f"models/gpt_moe_cost.py ({name}, backend {backend})"
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
@@ -132,11 +132,14 @@ class GPTConfig:
                                                remat=self.remat_policy(strategy))  # fmt: skip
             return comms, memory, f"models/gpt_cost.py sdp_terms (coverage {sdp.coverage:g}, backend {backend})"
         family = gpt_cost.formula(strategy)  # from the strategy's tables, not its name
+        if family is None and backend == "tpu":  # context / pipeline parallelism: TPU terms only (gpt_cost.py)
+            family = gpt_cost.tpu_formula(strategy, mesh)
         if family is None:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend))
-        memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy))
+        memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
+                                 backend=backend)  # fmt: skip
         return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend})"
 
     def remat_policy(self, strategy: Any) -> str:

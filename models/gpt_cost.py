@@ -28,6 +28,30 @@ rows, e_l = d_model / G_x, V_l = vocab / G_y.
 What XLA chooses and we follow: weight-gradient matmuls (dW = xᵀ dy) reduce over depth as a reduce-scatter
 (CPU: all-reduce of the full block) then the shard over data, like `tensor3d.linear`; gradients that are not
 matmuls (the embedding's scatter-add, RMSNorm scales' reduce_sum) are all-reduced over (data, depth) at once.
+TPU (`backend="tpu"`, read from the TPU compiler's programs for a v5e-8, fp32 GPT 4 x 512, seq 1024, batch 16;
+experiments/bench/bench_targets.py, tests/test_costmodel_tpu.py). XLA:TPU runs an fp32 matmul at default
+precision on bf16 operands, and converts a value that only feeds matmuls to bf16 where it is produced; so:
+- fsdp's all-gathers of the weight matrices move bf16 (`min(nbytes, 2)`); the embedding table (read by a gather)
+  and the RMSNorm scales stay at `nbytes` (tests/test_hlo_tpu.py reads the gathered shards' sizes);
+- gradients that are not matmuls' (the embedding's scatter-add, the norm scales' reduce_sum) are all-reduced over
+  (data, fsdp) at once, not reduce-scattered (without a data axis: the embedding's reduce-scattered over fsdp,
+  the scales all-reduced); the matrices' gradients are reduce-scattered in fp32 and all-reduced over data;
+- the backward re-gathers the blocks' norm scales too (fwd and bwd, like their matrices); the final norm's once;
+- fsdp_tp (tensor > 1): XLA's collective matmul (windowed einsum, unrolled in the layer loop: its permutes'
+  op_name is the dot_general they feed) replaces the forward gathers of the block matrices by f - 1 bf16 block
+  transfers around the fsdp ring (the all-gather's own volume) and the reduce-scatters of the block and head
+  matrices' gradients by f + 1 fp32 block transfers ((f + 1)/(f - 1) times the reduce-scatter's volume): counted
+  as collective-permutes over fsdp, as the HLO has them. The backward's re-gathers stay all-gathers;
+- context parallelism (cp_*: the ring kernel, tokens over seq): K and V blocks travel the ring in bf16 forward and
+  again backward (4 (N - 1) transfers a layer), dK and dV in fp32 (2 N: they come home); every gradient is
+  all-reduced over (data, seq) at once (shardkit/attention/ring.py; tests/test_hlo_tpu.py).
+- pipeline (pp: GPipe over stage, the batch not split): a microbatch's [B/m, S, e] one hop a tick, forward and
+  backward (2 (m + p - 1) permutes, at `nbytes`: they feed RMSNorm), and two all-reduces over stage of the whole
+  [B, S, e]: the last stage's output to every stage (each runs the head and loss) and its gradient back.
+Memory on TPU: the residuals as the layer loops carry them (`activation_bytes`), the bf16 copy of block weights
+that are not gathered per layer, the backward's working set only where `working_set_in_hbm` (`memory`, `_pp_memory`).
+cp and pp have TPU terms only (`tpu_formula`; on CPU they keep the rules tables' prediction).
+
 Known exception: on some small meshes (G_x = 2, G_y = 1, G_z = 2, G_d = 2 for the tiny test GPT) XLA's
 partitioner prefers all-gathering activations over col and weights over (depth, col) to the partial-sum
 all-reduces; that choice depends on XLA's cost heuristics and is not modelled (listed in the test).
@@ -114,6 +138,40 @@ def formula(strategy: Any) -> str | None:
     return ("fsdp_tp" if tensor else "fsdp") if fsdp else ("tp" if tensor else "dp")
 
 
+def cp_formula(strategy: Any) -> str | None:
+    """Returns "cp" when `strategy` is context parallelism the TPU terms describe (the ring kernel over `seq`, the batch
+    over `data`, nothing else split, GSPMD step), else None. Verified on TPU only (GPTConfig.cost_model asks it
+    for backend "tpu"; on CPU such strategies keep the rules tables' prediction)."""
+    from shardkit.strategies import strategy as named
+
+    t = named(strategy).traits()
+    ring = str(t.kernels.get("attention", "")).startswith("ring")
+    plain = t.step == "gspmd" and not (t.scoped or t.stage or t.gathered or t.axes(*_TENSOR_NAMES, "experts"))
+    return "cp" if ring and plain and t.sequence == ("seq",) and set(t.batch) <= {"data"} else None
+
+
+def tpu_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
+    """The TPU-only families (`cp_formula`, `pp_formula`), verified against the TPU compiler only; None if neither."""
+    return cp_formula(strategy) or pp_formula(strategy, mesh)
+
+
+def pp_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
+    """Returns "pp:<m>" (m microbatches) for a GPipe pipeline over `stage` with the batch not split, nothing else split
+    (the `pp` strategy): the TPU terms below describe it; else None."""
+    from shardkit.parallel.pipeline_schedule import parse
+    from shardkit.strategies import strategy as named
+
+    t = named(strategy).traits()
+    layers = str(t.kernels.get("layers", ""))
+    plain = t.step == "gspmd" and not (t.scoped or t.gathered or t.batch or t.sequence)
+    if not (plain and t.stage == ("stage",) and layers.startswith("pipeline:")) or "@" in layers:
+        return None
+    if t.axes(*_TENSOR_NAMES, "experts", "embed"):
+        return None
+    kind, m, _ = parse(layers.partition(":")[2], mesh.get("stage", 1))
+    return f"pp:{m}" if kind == "gpipe" else None
+
+
 def strategy_comms(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
     backend: str = "gpu", gspmd: bool = False,
@@ -145,9 +203,21 @@ def strategy_comms(
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
     act = global_batch // (d * f) * seq_len * e * nbytes
     shard = psi * nbytes / (t * f)
+    if strategy == "cp" and backend == "tpu":  # the ring kernel's permutes, gradients over (data, seq)
+        return cp_comms(cfg, mesh, global_batch, seq_len, nbytes, backend)
+    if strategy.startswith("pp:") and backend == "tpu":  # GPipe over stage
+        b, p, m = CommBuilder(mesh, ("stage",), backend), mesh.get("stage", 1), int(strategy[3:])
+        act = global_batch * seq_len * e * nbytes  # the whole batch's [B, S, e] (the batch is not split)
+        n = 2 * (m + p - 1)
+        b.add("collective-permute", "stage", n * act / m, n, "a microbatch's activations one hop a tick, fwd + bwd")
+        b.add("all-reduce", "stage", 2 * act, 2, "the last stage's output to every stage fwd, its gradient bwd")
+        return b.comms()
     if strategy not in _STATE_DEGREE:
         raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
-    if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
+    tpu_zero3 = backend == "tpu" and not getattr(cfg, "tie_embeddings", False)
+    if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp") and tpu_zero3:
+        _tpu_zero3_comms(b, cfg, t, mesh.get("fsdp", 1), nbytes, windowed=t > 1)
+    elif strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
         b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
         b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
         b.add("reduce-scatter", "fsdp", psi * nbytes / t, 1, "gradients", gspmd=True)
@@ -161,8 +231,56 @@ def strategy_comms(
     if strategy == "zero1":  # gradients reduce-scattered onto the optimizer-state shards, parameters gathered back
         b.add("reduce-scatter", "data", shard, 1, "gradients onto optimizer-state shards", gspmd=True)
         b.add("all-gather", "data", shard, 1, "updated parameters")
+    elif strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp") and tpu_zero3:  # the matrices' shards (the rest: above)
+        mats = (L * blocks_per_layer(cfg) + c["vocab_size"] * e) / t
+        b.add("all-reduce", "data", mats * nbytes / f, 1, "matrix gradients' shards over data (TPU)")
     else:
         b.add("all-reduce", "data", shard, 1, "gradients over data")
+    return b.comms()
+
+
+def blocks_per_layer(cfg: Any) -> int:
+    """Elements of one block's four projection matrices."""
+    return sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
+
+
+def _tpu_zero3_comms(b: CommBuilder, cfg: Any, t: int, f: int, nbytes: int, windowed: bool) -> None:
+    """ZeRO-3 over fsdp as XLA:TPU compiles it (module docstring, TPU): matrices gathered in bf16, the embedding
+    and norm scales at `nbytes`; non-matmul gradients all-reduced over (data, fsdp); with `windowed` (fsdp_tp) the
+    block matrices' forward gathers and the matrices' reduce-scatters done by the collective matmul's permutes."""
+    c = _cfg(cfg)
+    e, L, v = c["d_model"], c["num_layers"], c["vocab_size"]
+    lo = min(nbytes, 2)  # a default-precision matmul's operand on TPU
+    blk, head, emb, norms = L * blocks_per_layer(cfg) / t, v * e / t, v * e / t, (2 * L + 1) * e
+    b.add("all-gather", "fsdp", emb * nbytes + norms * nbytes + head * lo, 3, "embedding, norm scales, head (bf16) fwd")
+    b.add("all-gather", "fsdp", blk * lo + 2 * L * e * nbytes, 1, "block matrices (bf16) and norm scales again bwd")
+    if windowed:
+        b.add("collective-permute", "fsdp", blk * lo * (f - 1) / f, L * 4 * (f - 1),
+              "block matrices fwd: collective matmul's ring, f - 1 bf16 shards (TPU)")  # fmt: skip
+        b.add("collective-permute", "fsdp", (blk + head) * nbytes * (f + 1) / f, (4 * L + 1) * (f + 1),
+              "matrix gradients: collective matmul's reduce-scatter ring, f + 1 fp32 shards (TPU)")  # fmt: skip
+    else:
+        b.add("all-gather", "fsdp", blk * lo, 1, "block matrices (bf16) fwd")
+        b.add("reduce-scatter", "fsdp", (blk + head) * nbytes, 1, "matrix gradients")
+    if b.mesh.get("data", 1) > 1:
+        b.add("all-reduce", "data,fsdp", (emb + norms) * nbytes, 1, "embedding and norm-scale gradients (TPU)")
+    else:
+        b.add("reduce-scatter", "fsdp", emb * nbytes, 1, "embedding gradient")
+        b.add("all-reduce", "fsdp", norms * nbytes, 1, "norm-scale gradients")
+
+
+def cp_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int, backend: str) -> list[Comm]:
+    """Context parallelism (the ring kernel over `seq`, the batch over `data`) on TPU: per layer the K and V blocks
+    around the ring, forward and again backward (4 (N - 1) bf16 transfers), dK and dV home (2 N at `nbytes`); all
+    gradients all-reduced over (data, seq) at once."""
+    c = _cfg(cfg)
+    d, n = mesh.get("data", 1), mesh.get("seq", 1)
+    b = CommBuilder(mesh, ("seq", "data"), backend)
+    block = global_batch / d * c["num_kv_heads"] * seq_len / n * c["head_dim"]  # one device's K (or V) block
+    L, lo = c["num_layers"], min(nbytes, 2)
+    b.add("collective-permute", "seq", L * 4 * (n - 1) * block * lo, L * 4 * (n - 1), "K, V around the ring (bf16)")
+    b.add("collective-permute", "seq", L * 2 * n * block * nbytes, L * 2 * n, "dK, dV home")
+    b.add("all-reduce", "data,seq", num_params(cfg) * nbytes, 1, "gradients over (data, seq)")
     return b.comms()
 
 
@@ -184,7 +302,10 @@ def num_params(cfg: Any) -> int:
     return c["num_layers"] * blocks + c["d_model"] * (2 * c["vocab_size"] + 1)
 
 
-def activation_bytes(cfg: Any, tokens: int, seq_len: int, embed_split: int, head_split: int, nbytes: int = 2) -> float:
+def activation_bytes(
+    cfg: Any, tokens: int, seq_len: int, embed_split: int, head_split: int, nbytes: int = 2, backend: str = "cpu",
+    scores: bool = True,
+) -> float:  # fmt: skip
     """Saved activations of one block for `tokens` tokens on one device, our layer (no dropout, SwiGLU, GQA, RoPE).
 
     Korthikanti et al. (2205.05198, §4.1, Table 2) itemised for our block as JAX's autodiff saves it
@@ -196,25 +317,105 @@ def activation_bytes(cfg: Any, tokens: int, seq_len: int, embed_split: int, head
     causal mask's byte, and RoPE's sin / cos (2·hd fp32). Korthikanti's GELU block with dropout counts 34h +
     5as bytes at 2 bytes per value; ours at f = 4e, k = n, nbytes = 2: 66e + 11ns + 8hd
     (33 values of e at 2 bytes).
+
+    `backend="tpu"`: what the TPU program's layer scan carries from the forward to the backward (the residual stacks
+    [L, ...] in the forward loop's tuple, read in `compiled.as_text()`; GPT 4 x 512 fp32, seq 1024 on a v5e-8
+    under dp, fsdp, tp: per block 212 MiB at 2048 tokens a device, to the byte). A value that only feeds matmuls
+    is kept as their bf16 operand (`lo = min(nbytes, 2)`): per token 4e at `nbytes` + 2e at `lo` (the two RMSNorm
+    outputs, the projections' inputs), q, k, v and the attention output at `lo`, 5f at `nbytes` + f at `lo` (the
+    SwiGLU product, the down projection's input), per head and key the scores at `nbytes` and the probabilities at
+    `lo` (6 bytes, not 13: the exp is not kept, the causal mask is one [s, s] buffer on chip), no RoPE tables (on
+    chip). `scores=False` (the ring kernel, cp_*; its forward loop's tuple, same GPT on data=2, seq=4): no [s, s]
+    term, q and the attention output at `nbytes` (the kernel's own residuals; k and v at `lo`), the log-sum-exp
+    (4 bytes per head) on chip.
     """
     c = _cfg(cfg)
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
+    if backend == "tpu":
+        lo, es, hs = min(nbytes, 2), embed_split, head_split
+        kept = (4 * e / es + 5 * f / hs) * nbytes + (2 * e / es + f / hs) * lo
+        if scores:  # q, k, v, attention output as bf16 operands; scores fp32 + probabilities bf16
+            attn = ((n + 2 * k) * hd + n * hd) / hs * lo + (nbytes + lo) * n * seq_len / hs
+        else:  # the ring kernel: q and its output at nbytes, k and v at lo
+            attn = (2 * n * hd * nbytes + 2 * k * hd * lo) / hs
+        return tokens * (kept + attn)
     values = 5 * e / embed_split + ((n + 2 * k) * hd + n * hd + 6 * f) / head_split
     scores = (4 + 4 + nbytes + 1) * n * seq_len / head_split
     return tokens * (values * nbytes + scores + 2 * hd * 4)
 
 
+#: TPU v5e's on-chip vector memory per core (128 MiB), the bound of `working_set_in_hbm`
+VMEM_BYTES = 128 * 2**20
+
+
+def working_set_in_hbm(cfg: Any, tokens: float, seq_len: int, head_split: int, nbytes: int) -> bool:
+    """Whether the TPU program keeps the backward's working set of one block in HBM (then counted, one block's
+    activations, as on CPU) rather than on chip. Empirical, v5e: the temporaries exceed what the layer loops
+    carry by less than 20 MiB where one layer's fp32 scores ([tokens, heads, s] of the device) are 64 MiB (dp,
+    fsdp, tp, ep at the bench shape) and by one block's activations (+-3%) where they are 128 MiB (tp3d, pp's
+    ticks): the buffers of the scores' backward no longer fit the core's VMEM (`VMEM_BYTES`)."""
+    c = _cfg(cfg)
+    return tokens * c["num_heads"] / head_split * seq_len * nbytes >= VMEM_BYTES
+
+
+def _pp_memory(cfg: Any, p: int, m: int, global_batch: int, seq_len: int, nbytes: int) -> dict[str, float]:
+    """GPipe over `stage` on TPU: the tick loop keeps each of its m + p - 1 ticks' residuals (bubble ticks too:
+    [ticks, L/p, B/m, ...] stacks in its tuple): the block's activations at B/m x S tokens, the bf16 copy of the
+    stage's block weights and RoPE's sin / cos (2 x hd/2 fp32 a token) per tick and layer; + one block's working
+    set where `working_set_in_hbm`; the head and loss on every stage over the whole batch (fp32 logits and softmax);
+    the pipeline's input and output [B, S, e]. Parameters: the stage's blocks, the embedding, head, final norm."""
+    c = _cfg(cfg)
+    e, L, v, hd = c["d_model"], c["num_layers"], c["vocab_size"], c["head_dim"]
+    tokens, ticks, k = global_batch / m * seq_len, m + p - 1, L / p
+    block = activation_bytes(cfg, tokens, seq_len, 1, 1, nbytes, "tpu")
+    per_tick = k * (block + blocks_per_layer(cfg) * min(nbytes, 2) + tokens * 2 * hd / 2 * 4)
+    acts = ticks * per_tick + (block if working_set_in_hbm(cfg, tokens, seq_len, 1, nbytes) else 0.0)
+    acts += global_batch * seq_len * (v * 4 * 2 + 2 * e * nbytes)
+    psi = (L * (blocks_per_layer(cfg) + 2 * e)) / p + (num_params(cfg) - L * (blocks_per_layer(cfg) + 2 * e))
+    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
+    return {**mem, "total": sum(mem.values())}
+
+
+def _default_remat(cfg: Any) -> str:
+    from models.gpt import REMAT_ALIASES
+
+    return REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
+
+
 def memory(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    remat: str | None = None,
+    remat: str | None = None, backend: str = "cpu",
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device: params, grads, optimizer (ZeRO formulas), activations (all layers + fp32 logits).
 
     `remat`: the remat policy the activations are saved under (models/gpt_remat_cost.py); None = the config's
-    `remat` alias (models/gpt.py REMAT_ALIASES)."""
+    `remat` alias (models/gpt.py REMAT_ALIASES).
+
+    `backend="tpu"`: the blocks' activations as the TPU program keeps them (`activation_bytes`), without the
+    backward's working set: on a v5e it lives in on-chip VMEM, which `temp_size_in_bytes` does not count (fsdp,
+    GPT 4 x 512: the temporaries exceed the backward loop's carried tuple by 19 MiB, less than one block's score
+    gradient, 64 MiB). Where the block weights are not gathered per layer (every strategy but the fsdp family),
+    + their bf16 copy, `lo` x the device's block matrices, made once before the layer loops (the [L, ...] bf16
+    stacks in the loops' tuples: dp 32 MiB, tp3d 7.5 MiB, cp 32 MiB). Strategy "cp" (TPU only): the ring kernel's
+    blocks (`activation_bytes(scores=False)`) over data x seq, the parameters replicated.
+    Not itemised (the misses, experiments/bench/results/bench_targets.json): the backward's working set where the
+    TPU program keeps it in HBM (tp3d: one block's worth; dp: about 100 MiB), the ring kernel's mask tiles and
+    its backward's buffers (cp).
+    """
     c = _cfg(cfg)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
     gx, gy, gz, gd = (mesh.get(a, 1) for a in TP3D_ORDER)
+    tpu = backend == "tpu"
+    if strategy == "cp" and tpu:
+        psi, tokens = num_params(cfg), global_batch / d * seq_len / mesh.get("seq", 1)
+        block = activation_bytes(cfg, tokens, seq_len, 1, 1, nbytes, backend, scores=False)
+        remat = remat or _default_remat(cfg)
+        acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, 1, 1, nbytes, block) - block
+        acts += tokens * c["vocab_size"] * 4 * 2 + c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
+        mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
+        return {**mem, "total": sum(mem.values())}
+    if strategy.startswith("pp:") and tpu:
+        return _pp_memory(cfg, mesh.get("stage", 1), int(strategy[3:]), global_batch, seq_len, nbytes)
     if strategy not in _STATE_DEGREE:
         raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
     state_deg = _STATE_DEGREE[strategy](d, f, t, gx * gy * gz)
@@ -226,8 +427,12 @@ def memory(
         from models.gpt import REMAT_ALIASES
 
         remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
-    block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes)
+    block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes, "tpu" if tpu else "cpu")
     acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, embed_split, head_split, nbytes, block)
+    if tpu:  # the backward's working set on chip (unless too large); the bf16 copy of the unsplit block weights
+        acts -= 0.0 if working_set_in_hbm(cfg, tokens, seq_len, head_split, nbytes) else block
+        gathered = strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp")
+        acts += 0.0 if gathered else c["num_layers"] * blocks_per_layer(cfg) / state_deg * min(nbytes, 2)
     acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax
     opt = (16 - 2 * nbytes) * psi / (d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
     mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": opt, "activations": acts}
@@ -373,6 +578,7 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
     b.add("all-reduce", "depth,col", (mats + 3) * nb, 2, "grad_norm: all leaves' sums of squares over (depth, col)")
 
 
-__all__ = ["MODELLED", "activation_bytes", "cached_comms", "divisibility", "fc_layers", "formula", "gpt_extra_comms",
-           "memory", "num_params", "sdp_divisibility", "sdp_options",
-           "sdp_terms", "strategy_comms"]  # fmt: skip
+__all__ = ["MODELLED", "activation_bytes", "blocks_per_layer", "cached_comms", "cp_comms", "cp_formula",
+           "divisibility", "fc_layers", "formula", "gpt_extra_comms", "memory", "num_params", "pp_formula",
+           "sdp_divisibility", "sdp_options", "sdp_terms", "strategy_comms", "tpu_formula",
+           "working_set_in_hbm"]  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any
 
 import shardkit as sk
 from models import gpt_remat_cost
-from models.gpt_cost import activation_bytes
+from models.gpt_cost import activation_bytes, working_set_in_hbm
 from shardkit.costmodel import Comm, CommBuilder
 from shardkit.layers import remat_names
 
@@ -74,13 +74,17 @@ def comms(
     lay = Layout.of(strategy)
     x, t, f = (lay.size(mesh, a) for a in (lay.experts, lay.mlp, lay.gathered))
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
-    buffer = cfg.num_experts * (global_batch // lay.size(mesh, lay.batch)) * cap * cfg.d_model * nbytes
+    # TPU: the dispatched tokens only feed the experts' matmuls, so they travel as their bf16 operand
+    # (tests/test_hlo_tpu.py: [experts, batch, capacity, d] in bf16 from an fp32 GPT)
+    a2a = min(nbytes, 2) if backend == "tpu" else nbytes
+    buffer = cfg.num_experts * (global_batch // lay.size(mesh, lay.batch)) * cap * cfg.d_model * a2a
     b = CommBuilder(mesh, lay.order(), backend)
     remat_note = f", the forward's again under remat {remat}" if remat != "none" else ""
     n = (4 if remat == "none" else 6) * cfg.num_layers
     b.add("all-to-all", ",".join(lay.experts), buffer * n, n, f"MoE dispatch / combine, fwd and bwd{remat_note}")
     n = (2 if remat.partition(":")[0] in ("none", "dots") else 3) * cfg.num_layers  # dots keeps the g's input
-    b.add("all-reduce", ",".join(lay.mlp), buffer * n, n, f"the experts' output g fwd, f bwd{remat_note}")
+    g = buffer / a2a * nbytes  # the experts' output at `nbytes`
+    b.add("all-reduce", ",".join(lay.mlp), g * n, n, f"the experts' output g fwd, f bwd{remat_note}")
     expert_params = _expert_params(cfg)
     head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)  # embedding and head: not in the blocks
     replicated = (cfg.num_params() - expert_params) * nbytes / f  # per device, after the gathered axes' split
@@ -108,7 +112,7 @@ def divisibility(cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: in
 
 def memory(
     cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    remat: str | None = None,
+    remat: str | None = None, backend: str = "cpu",
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device under an ep-family strategy: the experts' weights over their axes (and each expert's mlp
     split), the rest replicated or over the gathered axes (ZeRO's 16 bytes per parameter in mixed precision).
@@ -118,7 +122,13 @@ def memory(
     dispatched and combined tokens ([E, G_l, C, d]). Under `none` every block keeps them all; under `full` only
     the recomputed block holds them; under `dots` the tokens are kept (the dispatch einsums are batched matmuls)
     and the masks recomputed; under `dots_no_batch` and `names:` both are recomputed (nothing in them is tagged).
-    `remat` None: the config's `remat` alias (models/gpt.py REMAT_ALIASES), as `gpt_cost.memory`."""
+    `remat` None: the config's `remat` alias (models/gpt.py REMAT_ALIASES), as `gpt_cost.memory`.
+    `backend="tpu"`: the dense part of each block as the TPU program keeps it (`gpt_cost.activation_bytes`, bf16
+    matmul operands), the working set where `gpt_cost.working_set_in_hbm`, and the bf16 copy of the block
+    weights, as `gpt_cost.memory`; the dispatched tokens at bf16 (the experts' operands) and the masks both in
+    fp32 and as the einsums' bf16 operands
+    (the forward loop's [L, ...] stacks for ep on data=2, expert=4: [G_l, S, E, C] f32 x 2 and bf16 x 2,
+    [E, G_l, C, d] bf16 x 2; the experts' SwiGLU 5 x f32 + 1 x bf16 of [E_l, G, C, f])."""
     from models.gpt import REMAT_ALIASES
     from shardkit.parallel.moe import capacity
 
@@ -134,13 +144,21 @@ def memory(
     active = dataclasses.replace(cfg, num_experts=0, mlp_dim=width)
     dispatched = 2 * cfg.num_experts * groups * cap * cfg.d_model * nbytes  # [E, G_l, C, d] in and out
     masks = 2 * groups * seq_len * cfg.num_experts * cap * 4  # dispatch and combine, fp32
-    block = activation_bytes(active, tokens, seq_len, 1, 1, nbytes) + dispatched + masks
+    tpu, lo = backend == "tpu", min(nbytes, 2)
+    if tpu:  # the dispatched tokens as the experts' bf16 operands; the masks in fp32 and as the einsums' bf16 operands
+        dispatched, masks = dispatched * lo / nbytes, masks * (4 + lo) / 4
+    dense = activation_bytes(active, tokens, seq_len, 1, 1, nbytes, "tpu" if tpu else "cpu")
+    block = dense + dispatched + masks
     base, names = remat.partition(":")[0], remat_names(remat)
     hidden = tokens * active.mlp_dim * nbytes  # one [tokens, k f] tensor of the active experts
     moe = {"dots": dispatched,  # per block, beyond the dense rules: the batched dispatch einsums' outputs kept,
            "dots_no_batch": -2 * hidden,  # the experts' gate and up recomputed (batched over E: not "no batch")
            "names": -hidden if "mlp_hidden" in names else 0.0}  # fmt: skip  # the MoE block tags no mlp_hidden
     acts = gpt_remat_cost.saved_bytes(active, remat, tokens, seq_len, 1, 1, nbytes, block)
+    if tpu:  # the backward's working set on chip; the bf16 copy of the block weights (gpt_cost.memory)
+        tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+        on_chip = not working_set_in_hbm(cfg, tokens, seq_len, 1, nbytes)
+        acts += (psi - tables / f) * lo - (block if on_chip else 0.0)
     acts += cfg.num_layers * moe.get(base, 0.0) + tokens * cfg.vocab_size * 4 * 2  # + fp32 logits and softmax
     mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
     return {**mem, "total": sum(mem.values())}

@@ -39,9 +39,11 @@ MESHES = {
     "fsdp_tp": "fsdp=4,tensor=2",
     "cp_zigzag": "data=2,seq=4",
     "tp3d": "data=2,row=2,col=2,depth=1",
-    "pp": "stage=2,data=4",
+    "pp": "stage=4",
     "ep": "data=2,expert=4",
 }
+#: strategies compiled for another target than --target: pp's mesh is stage only, one stage per layer (4 layers)
+TARGETS = {"pp": "v5e-4"}
 CFG = GPTConfig(num_layers=4, d_model=512, num_heads=8, num_kv_heads=8, head_dim=64, mlp_dim=2048, vocab_size=1024,
                 max_seq_len=1024)  # fmt: skip
 BATCH, SEQ = 16, 1024
@@ -54,6 +56,7 @@ def model_for(strategy: str) -> GPTConfig:
 def measure(strategy: str, target: str) -> dict[str, Any]:
     """One strategy compiled for the target: the report's rows, compiled vs predicted."""
     cfg = model_for(strategy)
+    target = TARGETS.get(strategy, target)
     mesh = sk.make_mesh(MESHES[strategy], target=target)
     step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, strategy)
     shapes = {"inputs": ((BATCH, SEQ), jnp.int32), "targets": ((BATCH, SEQ), jnp.int32)}
@@ -71,7 +74,7 @@ def measure(strategy: str, target: str) -> dict[str, Any]:
     mem = {r["name"]: dict(compiled=r["compiled"], predicted=r["predicted"]) for r in report.memory_rows()}
     total = sum(r["compiled"] for r in rows)
     ptotal = sum(r["predicted"] or 0.0 for r in rows)
-    return dict(strategy=strategy, mesh=MESHES[strategy], compile_s=compile_s, rows=rows, memory=mem,
+    return dict(strategy=strategy, mesh=MESHES[strategy], target=target, compile_s=compile_s, rows=rows, memory=mem,
                 comm_compiled=total, comm_predicted=ptotal, source=report.prediction_source,
                 notes=report.notes)  # fmt: skip
 
@@ -91,7 +94,7 @@ def main() -> None:
         r = measure(s, args.target)
         results.append(r)
         temp = r["memory"]["temporaries"]
-        print(f"\n{s} on {r['mesh']} ({args.target}, compiled in {r['compile_s']:.1f} s): temporaries compiled "
+        print(f"\n{s} on {r['mesh']} ({r['target']}, compiled in {r['compile_s']:.1f} s): temporaries compiled "
               f"{temp['compiled'] / 2**20:.1f} MiB, predicted {(temp['predicted'] or 0) / 2**20:.1f} MiB "
               f"(compiled/predicted {ratio(temp['compiled'], temp['predicted'])}); collectives compiled "
               f"{r['comm_compiled'] / 2**20:.2f} MiB, predicted {r['comm_predicted'] / 2**20:.2f} MiB "
