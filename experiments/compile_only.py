@@ -127,8 +127,12 @@ def run(config: ml_collections.ConfigDict, say: Callable[[str], None], build: Ca
             raise
         # the TPU compiler's own verdict: it will not emit a program larger than the chip's HBM
         why = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
-        say(f"fits in HBM: NO -- XLA's compiler refused the program for {config.get('target') or 'these devices'}: "
-            f"{why}")  # fmt: skip
+        where = config.get("target") or "these devices"
+        say(f"fits in HBM: NO -- XLA's compiler refused the program for {where}: {why}")
+        say(
+            f"  plans that fit, ranked and compiled: python -m experiments.plan --model {config.config_name} "
+            f"--batch {config.batch_size}" + (f" --target {config.target}" if config.get("target") else "")
+        )
         return dict(compile_only=True, fits=False, peak=None, hbm=None, compile_s=time.perf_counter() - t0,
                     report=None, stopped=None, refused=why)  # fmt: skip
     compile_s = time.perf_counter() - t0
