@@ -64,9 +64,15 @@ AXIS_KINDS = {
 }
 
 
+#: strategies whose GPT train step tests/test_hlo_tpu.py compiles for the TPU and reads back against its formulas
+#: (a stronger check than the one here): not compiled twice
+IN_HLO_TPU = ("fsdp", "tp", "fsdp_tp", "cp_ring", "cp_zigzag", "tp3d", "ep", "pp_dp")
+
+
 def test_every_strategy_and_family_has_a_cell():
     assert set(CELLS) == set(mx.MESH)
-    assert set(CELLS.values()) == set(mx.FAMILIES)
+    assert set(IN_HLO_TPU) <= set(CELLS)  # every strategy compiled for TPU here or there
+    assert {CELLS[s] for s in CELLS if s not in IN_HLO_TPU} == set(mx.FAMILIES)  # every family compiled here
     refused = [(s, f) for s, f in CELLS.items() if (s, f) in mx.REFUSED]
     assert not refused, f"cells the matrix refuses: {refused}"
 
@@ -78,7 +84,7 @@ def _target_for(spec: str) -> str:
     return {4: "v5e-4", 8: "v5e-8"}[n]
 
 
-@pytest.mark.parametrize("strategy", list(CELLS))
+@pytest.mark.parametrize("strategy", [s for s in CELLS if s not in IN_HLO_TPU])
 def test_cell_compiles_for_tpu(strategy: str) -> None:
     fam = mx.family(CELLS[strategy])
     mesh = sk.make_mesh(mx.MESH[strategy], target=_target_for(mx.MESH[strategy]))
