@@ -47,7 +47,7 @@ CELLS = {
     "spatial": "cosmoflow",
     "spatial_dp": "unet3d",
     "spatial_halo": "cosmoflow",
-    "spatial_dp_halo": "unet3d",
+    "spatial_dp_halo": "cosmoflow",
     "sdp": "gpt",
     "hetero_dp": "gpt",
     "dp_split_head": "guide",
