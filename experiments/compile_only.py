@@ -88,8 +88,12 @@ def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[s
                                   microbatches=config.microbatches)  # fmt: skip
         batch = task.batch_spec(step)
     scaled = built != target
-    report = explain(step, step.abstract_state(), batch, model_cfg=model_cfg, target_mesh=target if scaled else None,
-                     remat_policies=remat_policies, hardware=tgt)  # fmt: skip
+    try:
+        report = explain(step, step.abstract_state(), batch, model_cfg=model_cfg, hardware=tgt,
+                         target_mesh=target if scaled else None, remat_policies=remat_policies)  # fmt: skip
+    except jax.errors.JaxRuntimeError as e:  # the compiler's refusal: what the cost model expected, for the record
+        e.add_note(_predicted_text(step, model_cfg, batch))
+        raise
     grid = lambda m: ",".join(f"{a}={n}" for a, n in m.items())
     header = (f"{config.config_name}: {model_cfg.num_params() / 1e6:.2f}M parameters, {config.strategy}, "
               f"mesh {grid(target)} ({math.prod(target.values())} devices"
@@ -100,6 +104,23 @@ def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[s
                    f"{math.prod(target.values())}: XLA cannot compile for devices it lacks, so the step is compiled on "
                    f"{grid(built)} ({how}) and the figures marked SCALED are estimates for {grid(target)}")  # fmt: skip
     return report, header
+
+
+def _predicted_text(step: Any, model_cfg: Any, batch: Any) -> str:
+    """The cost model's figures for a step the compiler would not emit (memory and collectives per device)."""
+    from shardkit.explain import predict
+
+    shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(batch)}
+    nbytes = int(jax.numpy.dtype(jax.tree.leaves(step.abstract_state().params)[0].dtype).itemsize)
+    platform = step.mesh.devices.flat[0].platform
+    pred = predict(step.strategy, model_cfg, dict(step.mesh.shape), shapes, nbytes, platform)
+    if pred is None:
+        return "  (no cost model of this model for this strategy: nothing predicted)"
+    comms, memory, source = pred
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    mem = ", ".join(f"{k} {gib(v)}" for k, v in memory.items())
+    sent = ", ".join(f"{k} {a} {gib(b)}" for (k, a), (_, b) in comms.items())
+    return f"  predicted per device ({source}): {mem}\n  predicted collectives: {sent}"
 
 
 def run(config: ml_collections.ConfigDict, say: Callable[[str], None], build: Callable | None = None) -> dict[str, Any]:
@@ -129,6 +150,8 @@ def run(config: ml_collections.ConfigDict, say: Callable[[str], None], build: Ca
         why = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
         where = config.get("target") or "these devices"
         say(f"fits in HBM: NO -- XLA's compiler refused the program for {where}: {why}")
+        for note in getattr(e, "__notes__", []):
+            say(note)
         say(
             f"  plans that fit, ranked and compiled: python -m experiments.plan --model {config.config_name} "
             f"--batch {config.batch_size}" + (f" --target {config.target}" if config.get("target") else "")
