@@ -28,29 +28,9 @@ rows, e_l = d_model / G_x, V_l = vocab / G_y.
 What XLA chooses and we follow: weight-gradient matmuls (dW = xᵀ dy) reduce over depth as a reduce-scatter
 (CPU: all-reduce of the full block) then the shard over data, like `tensor3d.linear`; gradients that are not
 matmuls (the embedding's scatter-add, RMSNorm scales' reduce_sum) are all-reduced over (data, depth) at once.
-TPU (`backend="tpu"`, read from the TPU compiler's programs for a v5e-8, fp32 GPT 4 x 512, seq 1024, batch 16;
-experiments/bench/bench_targets.py, tests/test_costmodel_tpu.py). XLA:TPU runs an fp32 matmul at default
-precision on bf16 operands, and converts a value that only feeds matmuls to bf16 where it is produced; so:
-- fsdp's all-gathers of the weight matrices move bf16 (`min(nbytes, 2)`); the embedding table (read by a gather)
-  and the RMSNorm scales stay at `nbytes` (tests/test_hlo_tpu.py reads the gathered shards' sizes);
-- gradients that are not matmuls' (the embedding's scatter-add, the norm scales' reduce_sum) are all-reduced over
-  (data, fsdp) at once, not reduce-scattered (without a data axis: the embedding's reduce-scattered over fsdp,
-  the scales all-reduced); the matrices' gradients are reduce-scattered in fp32 and all-reduced over data;
-- the backward re-gathers the blocks' norm scales too (fwd and bwd, like their matrices); the final norm's once;
-- fsdp_tp (tensor > 1): XLA's collective matmul (windowed einsum, unrolled in the layer loop: its permutes'
-  op_name is the dot_general they feed) replaces the forward gathers of the block matrices by f - 1 bf16 block
-  transfers around the fsdp ring (the all-gather's own volume) and the reduce-scatters of the block and head
-  matrices' gradients by f + 1 fp32 block transfers ((f + 1)/(f - 1) times the reduce-scatter's volume): counted
-  as collective-permutes over fsdp, as the HLO has them. The backward's re-gathers stay all-gathers;
-- context parallelism (cp_*: the ring kernel, tokens over seq): K and V blocks travel the ring in bf16 forward and
-  again backward (4 (N - 1) transfers a layer), dK and dV in fp32 (2 N: they come home); every gradient is
-  all-reduced over (data, seq) at once (shardkit/attention/ring.py; tests/test_hlo_tpu.py).
-- pipeline (pp: GPipe over stage, the batch not split): a microbatch's [B/m, S, e] one hop a tick, forward and
-  backward (2 (m + p - 1) permutes, at `nbytes`: they feed RMSNorm), and two all-reduces over stage of the whole
-  [B, S, e]: the last stage's output to every stage (each runs the head and loss) and its gradient back.
-Memory on TPU: the residuals as the layer loops carry them (`activation_bytes`), the bf16 copy of block weights
-that are not gathered per layer, the backward's working set only where `working_set_in_hbm` (`memory`, `_pp_memory`).
-cp and pp have TPU terms only (`tpu_formula`; on CPU they keep the rules tables' prediction).
+TPU (`backend="tpu"`): the terms XLA's TPU compiler's programs need (bf16 weight gathers, the collective matmul's
+permutes, the ring's and the pipeline's transfers, the residuals as the TPU layer loop carries them) are
+`models/gpt_tpu_cost.py`'s, each with the evidence it was read from; this file dispatches to them.
 
 Known exception: on some small meshes (G_x = 2, G_y = 1, G_z = 2, G_d = 2 for the tiny test GPT) XLA's
 partitioner prefers all-gathering activations over col and weights over (depth, col) to the partial-sum
@@ -65,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 import shardkit as sk
-from models import gpt_remat_cost
+from models import gpt_remat_cost, gpt_tpu_cost
 from shardkit.costmodel import TP3D_ORDER, Comm, CommBuilder, tp3d_layer_comms
 from shardkit.errors import ShardkitError
 
@@ -190,7 +170,7 @@ def strategy_comms(
     c = _cfg(cfg)
     e, L = c["d_model"], c["num_layers"]
     psi = num_params(cfg)
-    blocks = L * sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
+    blocks = L * blocks_per_layer(cfg)
     if strategy == "tp3d":
         b = CommBuilder(mesh, TP3D_ORDER, backend)
         for name, h1, h2, tr in fc_layers(cfg):
@@ -204,19 +184,14 @@ def strategy_comms(
     act = global_batch // (d * f) * seq_len * e * nbytes
     shard = psi * nbytes / (t * f)
     if strategy == "cp" and backend == "tpu":  # the ring kernel's permutes, gradients over (data, seq)
-        return cp_comms(cfg, mesh, global_batch, seq_len, nbytes, backend)
+        return gpt_tpu_cost.cp_comms(c, psi, mesh, global_batch, seq_len, nbytes, backend)
     if strategy.startswith("pp:") and backend == "tpu":  # GPipe over stage
-        b, p, m = CommBuilder(mesh, ("stage",), backend), mesh.get("stage", 1), int(strategy[3:])
-        act = global_batch * seq_len * e * nbytes  # the whole batch's [B, S, e] (the batch is not split)
-        n = 2 * (m + p - 1)
-        b.add("collective-permute", "stage", n * act / m, n, "a microbatch's activations one hop a tick, fwd + bwd")
-        b.add("all-reduce", "stage", 2 * act, 2, "the last stage's output to every stage fwd, its gradient bwd")
-        return b.comms()
+        return gpt_tpu_cost.pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes, backend)
     if strategy not in _STATE_DEGREE:
         raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
     tpu_zero3 = backend == "tpu" and not getattr(cfg, "tie_embeddings", False)
     if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp") and tpu_zero3:
-        _tpu_zero3_comms(b, cfg, t, mesh.get("fsdp", 1), nbytes, windowed=t > 1)
+        gpt_tpu_cost.zero3_comms(b, c, blocks_per_layer(cfg), t, f, nbytes, windowed=t > 1)
     elif strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
         b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
         b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
@@ -242,46 +217,6 @@ def strategy_comms(
 def blocks_per_layer(cfg: Any) -> int:
     """Elements of one block's four projection matrices."""
     return sum(h1 * h2 for _, h1, h2, _ in fc_layers(cfg))
-
-
-def _tpu_zero3_comms(b: CommBuilder, cfg: Any, t: int, f: int, nbytes: int, windowed: bool) -> None:
-    """ZeRO-3 over fsdp as XLA:TPU compiles it (module docstring, TPU): matrices gathered in bf16, the embedding
-    and norm scales at `nbytes`; non-matmul gradients all-reduced over (data, fsdp); with `windowed` (fsdp_tp) the
-    block matrices' forward gathers and the matrices' reduce-scatters done by the collective matmul's permutes."""
-    c = _cfg(cfg)
-    e, L, v = c["d_model"], c["num_layers"], c["vocab_size"]
-    lo = min(nbytes, 2)  # a default-precision matmul's operand on TPU
-    blk, head, emb, norms = L * blocks_per_layer(cfg) / t, v * e / t, v * e / t, (2 * L + 1) * e
-    b.add("all-gather", "fsdp", emb * nbytes + norms * nbytes + head * lo, 3, "embedding, norm scales, head (bf16) fwd")
-    b.add("all-gather", "fsdp", blk * lo + 2 * L * e * nbytes, 1, "block matrices (bf16) and norm scales again bwd")
-    if windowed:
-        b.add("collective-permute", "fsdp", blk * lo * (f - 1) / f, L * 4 * (f - 1),
-              "block matrices fwd: collective matmul's ring, f - 1 bf16 shards (TPU)")  # fmt: skip
-        b.add("collective-permute", "fsdp", (blk + head) * nbytes * (f + 1) / f, (4 * L + 1) * (f + 1),
-              "matrix gradients: collective matmul's reduce-scatter ring, f + 1 fp32 shards (TPU)")  # fmt: skip
-    else:
-        b.add("all-gather", "fsdp", blk * lo, 1, "block matrices (bf16) fwd")
-        b.add("reduce-scatter", "fsdp", (blk + head) * nbytes, 1, "matrix gradients")
-    if b.mesh.get("data", 1) > 1:
-        b.add("all-reduce", "data,fsdp", (emb + norms) * nbytes, 1, "embedding and norm-scale gradients (TPU)")
-    else:
-        b.add("reduce-scatter", "fsdp", emb * nbytes, 1, "embedding gradient")
-        b.add("all-reduce", "fsdp", norms * nbytes, 1, "norm-scale gradients")
-
-
-def cp_comms(cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int, backend: str) -> list[Comm]:
-    """Context parallelism (the ring kernel over `seq`, the batch over `data`) on TPU: per layer the K and V blocks
-    around the ring, forward and again backward (4 (N - 1) bf16 transfers), dK and dV home (2 N at `nbytes`); all
-    gradients all-reduced over (data, seq) at once."""
-    c = _cfg(cfg)
-    d, n = mesh.get("data", 1), mesh.get("seq", 1)
-    b = CommBuilder(mesh, ("seq", "data"), backend)
-    block = global_batch / d * c["num_kv_heads"] * seq_len / n * c["head_dim"]  # one device's K (or V) block
-    L, lo = c["num_layers"], min(nbytes, 2)
-    b.add("collective-permute", "seq", L * 4 * (n - 1) * block * lo, L * 4 * (n - 1), "K, V around the ring (bf16)")
-    b.add("collective-permute", "seq", L * 2 * n * block * nbytes, L * 2 * n, "dK, dV home")
-    b.add("all-reduce", "data,seq", num_params(cfg) * nbytes, 1, "gradients over (data, seq)")
-    return b.comms()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -318,68 +253,31 @@ def activation_bytes(
     5as bytes at 2 bytes per value; ours at f = 4e, k = n, nbytes = 2: 66e + 11ns + 8hd
     (33 values of e at 2 bytes).
 
-    `backend="tpu"`: what the TPU program's layer scan carries from the forward to the backward (the residual stacks
-    [L, ...] in the forward loop's tuple, read in `compiled.as_text()`; GPT 4 x 512 fp32, seq 1024 on a v5e-8
-    under dp, fsdp, tp: per block 212 MiB at 2048 tokens a device, to the byte). A value that only feeds matmuls
-    is kept as their bf16 operand (`lo = min(nbytes, 2)`): per token 4e at `nbytes` + 2e at `lo` (the two RMSNorm
-    outputs, the projections' inputs), q, k, v and the attention output at `lo`, 5f at `nbytes` + f at `lo` (the
-    SwiGLU product, the down projection's input), per head and key the scores at `nbytes` and the probabilities at
-    `lo` (6 bytes, not 13: the exp is not kept, the causal mask is one [s, s] buffer on chip), no RoPE tables (on
-    chip). `scores=False` (the ring kernel, cp_*; its forward loop's tuple, same GPT on data=2, seq=4): no [s, s]
-    term, q and the attention output at `nbytes` (the kernel's own residuals; k and v at `lo`), the log-sum-exp
-    (4 bytes per head) on chip.
+    `backend="tpu"`: `gpt_tpu_cost.block_bytes` (bf16 matmul operands, no exp kept; `scores=False`: the ring
+    kernel's residuals, no [s, s] term).
     """
     c = _cfg(cfg)
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
-    if backend == "tpu":
-        lo, es, hs = min(nbytes, 2), embed_split, head_split
-        kept = (4 * e / es + 5 * f / hs) * nbytes + (2 * e / es + f / hs) * lo
-        if scores:  # q, k, v, attention output as bf16 operands; scores fp32 + probabilities bf16
-            attn = ((n + 2 * k) * hd + n * hd) / hs * lo + (nbytes + lo) * n * seq_len / hs
-        else:  # the ring kernel: q and its output at nbytes, k and v at lo
-            attn = (2 * n * hd * nbytes + 2 * k * hd * lo) / hs
-        return tokens * (kept + attn)
+    if backend == "tpu":  # as the TPU program's layer loop carries them (models/gpt_tpu_cost.py)
+        return gpt_tpu_cost.block_bytes(c, tokens, seq_len, embed_split, head_split, nbytes, scores)
     values = 5 * e / embed_split + ((n + 2 * k) * hd + n * hd + 6 * f) / head_split
     scores = (4 + 4 + nbytes + 1) * n * seq_len / head_split
     return tokens * (values * nbytes + scores + 2 * hd * 4)
 
 
-#: TPU v5e's on-chip vector memory per core (128 MiB), the bound of `working_set_in_hbm`
-VMEM_BYTES = 128 * 2**20
-
-
-def working_set_in_hbm(cfg: Any, tokens: float, seq_len: int, head_split: int, nbytes: int) -> bool:
-    """Whether the TPU program keeps the backward's working set of one block in HBM (then counted, one block's
-    activations, as on CPU) rather than on chip. Empirical, v5e: the temporaries exceed what the layer loops
-    carry by less than 20 MiB where one layer's fp32 scores ([tokens, heads, s] of the device) are 64 MiB (dp,
-    fsdp, tp, ep at the bench shape) and by one block's activations (+-3%) where they are 128 MiB (tp3d, pp's
-    ticks): the buffers of the scores' backward no longer fit the core's VMEM (`VMEM_BYTES`)."""
-    c = _cfg(cfg)
-    return tokens * c["num_heads"] / head_split * seq_len * nbytes >= VMEM_BYTES
-
-
-def _pp_memory(cfg: Any, p: int, m: int, global_batch: int, seq_len: int, nbytes: int) -> dict[str, float]:
-    """GPipe over `stage` on TPU: the tick loop keeps each of its m + p - 1 ticks' residuals (bubble ticks too:
-    [ticks, L/p, B/m, ...] stacks in its tuple): the block's activations at B/m x S tokens, the bf16 copy of the
-    stage's block weights and RoPE's sin / cos (2 x hd/2 fp32 a token) per tick and layer; + one block's working
-    set where `working_set_in_hbm`; the head and loss on every stage over the whole batch (fp32 logits and softmax);
-    the pipeline's input and output [B, S, e]. Parameters: the stage's blocks, the embedding, head, final norm."""
-    c = _cfg(cfg)
-    e, L, v, hd = c["d_model"], c["num_layers"], c["vocab_size"], c["head_dim"]
-    tokens, ticks, k = global_batch / m * seq_len, m + p - 1, L / p
-    block = activation_bytes(cfg, tokens, seq_len, 1, 1, nbytes, "tpu")
-    per_tick = k * (block + blocks_per_layer(cfg) * min(nbytes, 2) + tokens * 2 * hd / 2 * 4)
-    acts = ticks * per_tick + (block if working_set_in_hbm(cfg, tokens, seq_len, 1, nbytes) else 0.0)
-    acts += global_batch * seq_len * (v * 4 * 2 + 2 * e * nbytes)
-    psi = (L * (blocks_per_layer(cfg) + 2 * e)) / p + (num_params(cfg) - L * (blocks_per_layer(cfg) + 2 * e))
-    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
-    return {**mem, "total": sum(mem.values())}
-
-
 def _default_remat(cfg: Any) -> str:
+    """The remat policy the config's `remat` alias means (models/gpt.py REMAT_ALIASES)."""
     from models.gpt import REMAT_ALIASES
 
     return REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
+
+
+def _state(psi: float, nbytes: int, acts: float, optimizer_split: int = 1) -> dict[str, float]:
+    """Memory per device of `psi` parameters (their gradients and Adam state, the latter over `optimizer_split`:
+    ZeRO-1) and `acts` bytes of activations, with the total."""
+    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi / optimizer_split,
+           "activations": acts}  # fmt: skip
+    return {**mem, "total": sum(mem.values())}
 
 
 def memory(
@@ -412,10 +310,12 @@ def memory(
         remat = remat or _default_remat(cfg)
         acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, 1, 1, nbytes, block) - block
         acts += tokens * c["vocab_size"] * 4 * 2 + c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
-        mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
-        return {**mem, "total": sum(mem.values())}
-    if strategy.startswith("pp:") and tpu:
-        return _pp_memory(cfg, mesh.get("stage", 1), int(strategy[3:]), global_batch, seq_len, nbytes)
+        return _state(psi, nbytes, acts)
+    if strategy.startswith("pp:") and tpu:  # the stage's blocks, the embedding, head and final norm
+        p, blk = mesh.get("stage", 1), blocks_per_layer(cfg)
+        acts = gpt_tpu_cost.pp_activations(c, blk, p, int(strategy[3:]), global_batch, seq_len, nbytes)
+        stack = c["num_layers"] * (blk + 2 * c["d_model"])
+        return _state(stack / p + num_params(cfg) - stack, nbytes, acts)
     if strategy not in _STATE_DEGREE:
         raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
     state_deg = _STATE_DEGREE[strategy](d, f, t, gx * gy * gz)
@@ -423,20 +323,15 @@ def memory(
     embed_split, head_split = {"tp_sp": (t, t), "tp3d": (gx, gy)}.get(strategy, (1, t))
     psi = num_params(cfg) / state_deg
     tokens = global_batch / batch_deg * seq_len
-    if remat is None:
-        from models.gpt import REMAT_ALIASES
-
-        remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
+    remat = remat or _default_remat(cfg)
     block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes, "tpu" if tpu else "cpu")
     acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, embed_split, head_split, nbytes, block)
     if tpu:  # the backward's working set on chip (unless too large); the bf16 copy of the unsplit block weights
-        acts -= 0.0 if working_set_in_hbm(cfg, tokens, seq_len, head_split, nbytes) else block
+        acts -= 0.0 if gpt_tpu_cost.working_set_in_hbm(c["num_heads"], tokens, seq_len, head_split, nbytes) else block
         gathered = strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp")
         acts += 0.0 if gathered else c["num_layers"] * blocks_per_layer(cfg) / state_deg * min(nbytes, 2)
     acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax
-    opt = (16 - 2 * nbytes) * psi / (d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
-    mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": opt, "activations": acts}
-    return {**mem, "total": sum(mem.values())}
+    return _state(psi, nbytes, acts, d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
 
 
 def divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
@@ -518,16 +413,12 @@ def sdp_terms(
     else:
         b.add("all-reduce", "data", L * block_dev * nbytes, 1, "holder averaging (masked all-reduce)")
     b.add("all-reduce", "data", shared_dev * nbytes, 1, "shared gradients over data")
-    if remat is None:
-        from models.gpt import REMAT_ALIASES
-
-        remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
+    remat = remat or _default_remat(cfg)
     worker = dataclasses.replace(cfg, num_layers=k)  # its k blocks (cfg: a GPTConfig)
     block_acts = activation_bytes(cfg, tokens, seq_len, 1, t, nbytes)
     acts = gpt_remat_cost.saved_bytes(worker, remat, tokens, seq_len, 1, t, nbytes, block_acts)
     acts += tokens * c["vocab_size"] / t * 4 * 2  # fp32 logits and their softmax
-    mem = {"params": nbytes * sub, "grads": nbytes * sub, "optimizer": (16 - 2 * nbytes) * sub, "activations": acts}
-    return b.comms(), {**mem, "total": sum(mem.values())}
+    return b.comms(), _state(sub, nbytes, acts)
 
 
 def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True) -> None:
@@ -578,7 +469,6 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
     b.add("all-reduce", "depth,col", (mats + 3) * nb, 2, "grad_norm: all leaves' sums of squares over (depth, col)")
 
 
-__all__ = ["MODELLED", "activation_bytes", "blocks_per_layer", "cached_comms", "cp_comms", "cp_formula",
+__all__ = ["MODELLED", "activation_bytes", "blocks_per_layer", "cached_comms", "cp_formula",
            "divisibility", "fc_layers", "formula", "gpt_extra_comms", "memory", "num_params", "pp_formula",
-           "sdp_divisibility", "sdp_options", "sdp_terms", "strategy_comms", "tpu_formula",
-           "working_set_in_hbm"]  # fmt: skip
+           "sdp_divisibility", "sdp_options", "sdp_terms", "strategy_comms", "tpu_formula"]  # fmt: skip

@@ -13,8 +13,8 @@ import math
 from typing import Any
 
 import shardkit as sk
-from models import gpt_remat_cost
-from models.gpt_cost import activation_bytes, working_set_in_hbm
+from models import gpt_remat_cost, gpt_tpu_cost
+from models.gpt_cost import activation_bytes
 from shardkit.costmodel import Comm, CommBuilder
 from shardkit.layers import remat_names
 
@@ -124,7 +124,7 @@ def memory(
     and the masks recomputed; under `dots_no_batch` and `names:` both are recomputed (nothing in them is tagged).
     `remat` None: the config's `remat` alias (models/gpt.py REMAT_ALIASES), as `gpt_cost.memory`.
     `backend="tpu"`: the dense part of each block as the TPU program keeps it (`gpt_cost.activation_bytes`, bf16
-    matmul operands), the working set where `gpt_cost.working_set_in_hbm`, and the bf16 copy of the block
+    matmul operands), the working set where `gpt_tpu_cost.working_set_in_hbm`, and the bf16 copy of the block
     weights, as `gpt_cost.memory`; the dispatched tokens at bf16 (the experts' operands) and the masks both in
     fp32 and as the einsums' bf16 operands
     (the forward loop's [L, ...] stacks for ep on data=2, expert=4: [G_l, S, E, C] f32 x 2 and bf16 x 2,
@@ -157,7 +157,7 @@ def memory(
     acts = gpt_remat_cost.saved_bytes(active, remat, tokens, seq_len, 1, 1, nbytes, block)
     if tpu:  # the backward's working set on chip; the bf16 copy of the block weights (gpt_cost.memory)
         tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-        on_chip = not working_set_in_hbm(cfg, tokens, seq_len, 1, nbytes)
+        on_chip = not gpt_tpu_cost.working_set_in_hbm(cfg.num_heads, tokens, seq_len, 1, nbytes)
         acts += (psi - tables / f) * lo - (block if on_chip else 0.0)
     acts += cfg.num_layers * moe.get(base, 0.0) + tokens * cfg.vocab_size * 4 * 2  # + fp32 logits and softmax
     mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}

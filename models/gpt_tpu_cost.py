@@ -1,0 +1,138 @@
+"""The GPT's TPU terms: what XLA's TPU compiler's programs send and keep, where they differ from XLA:CPU's.
+
+`models/gpt_cost.py` dispatches here for `backend="tpu"`; these are pure functions of the GPT's shape numbers
+(`c`: `gpt_cost._cfg`'s dict) and of the mesh. Read from the TPU compiler's programs for a v5e-8 (fp32 GPT 4 x 512,
+seq 1024, batch 16; experiments/bench/bench_targets.py, tests/test_costmodel_tpu.py, docs/targets.md §5).
+XLA:TPU runs an fp32 matmul at default precision on bf16 operands, and converts a value that only feeds matmuls
+to bf16 where it is produced (`lo = min(nbytes, 2)` below); so:
+- fsdp's all-gathers of the weight matrices move bf16; the embedding table (read by a gather) and the RMSNorm
+  scales stay at `nbytes` (tests/test_hlo_tpu.py reads the gathered shards' sizes);
+- gradients that are not matmuls' (the embedding's scatter-add, the norm scales' reduce_sum) are all-reduced over
+  (data, fsdp) at once, not reduce-scattered (without a data axis: the embedding's reduce-scattered over fsdp,
+  the scales all-reduced); the matrices' gradients are reduce-scattered in fp32 and all-reduced over data;
+- the backward re-gathers the blocks' norm scales too (fwd and bwd, like their matrices); the final norm's once;
+- fsdp_tp (tensor > 1): XLA's collective matmul (windowed einsum, unrolled in the layer loop: its permutes'
+  op_name is the dot_general they feed) replaces the forward gathers of the block matrices by f - 1 bf16 block
+  transfers around the fsdp ring (the all-gather's own volume) and the reduce-scatters of the block and head
+  matrices' gradients by f + 1 fp32 block transfers ((f + 1)/(f - 1) times the reduce-scatter's volume): counted
+  as collective-permutes over fsdp, as the HLO has them. The backward's re-gathers stay all-gathers;
+- context parallelism (cp_*: the ring kernel, tokens over seq): K and V blocks travel the ring in bf16 forward and
+  again backward (4 (N - 1) transfers a layer), dK and dV in fp32 (2 N: they come home); every gradient is
+  all-reduced over (data, seq) at once (shardkit/attention/ring.py; tests/test_hlo_tpu.py);
+- pipeline (pp: GPipe over stage, the batch not split): a microbatch's [B/m, S, e] one hop a tick, forward and
+  backward (2 (m + p - 1) permutes, at `nbytes`: they feed RMSNorm), and two all-reduces over stage of the whole
+  [B, S, e]: the last stage's output to every stage (each runs the head and loss) and its gradient back.
+Memory: the residuals as the layer loops carry them (`block_bytes`), the bf16 copy of block weights that are not
+gathered per layer, the backward's working set only where `working_set_in_hbm` (gpt_cost.memory, `pp_memory`).
+"""
+
+from __future__ import annotations
+
+from shardkit.costmodel import Comm, CommBuilder
+
+#: TPU v5e's on-chip vector memory per core (128 MiB), the bound of `working_set_in_hbm`
+VMEM_BYTES = 128 * 2**20
+
+
+def zero3_comms(b: CommBuilder, c: dict[str, int], blk: int, t: int, f: int, nbytes: int, windowed: bool) -> None:
+    """ZeRO-3 over fsdp as XLA:TPU compiles it (module docstring): matrices gathered in bf16, the embedding and norm
+    scales at `nbytes`; non-matmul gradients all-reduced over (data, fsdp); with `windowed` (fsdp_tp) the block
+    matrices' forward gathers and the matrices' reduce-scatters done by the collective matmul's permutes.
+    `blk`: one block's matrix elements (gpt_cost.blocks_per_layer), `t` the tensor degree, `f` fsdp's."""
+    e, L, v = c["d_model"], c["num_layers"], c["vocab_size"]
+    lo = min(nbytes, 2)  # a default-precision matmul's operand on TPU
+    blocks, head, emb, norms = L * blk / t, v * e / t, v * e / t, (2 * L + 1) * e
+    b.add("all-gather", "fsdp", emb * nbytes + norms * nbytes + head * lo, 3, "embedding, norm scales, head (bf16) fwd")
+    b.add("all-gather", "fsdp", blocks * lo + 2 * L * e * nbytes, 1, "block matrices (bf16) and norm scales again bwd")
+    if windowed:
+        b.add("collective-permute", "fsdp", blocks * lo * (f - 1) / f, L * 4 * (f - 1),
+              "block matrices fwd: collective matmul's ring, f - 1 bf16 shards (TPU)")  # fmt: skip
+        b.add("collective-permute", "fsdp", (blocks + head) * nbytes * (f + 1) / f, (4 * L + 1) * (f + 1),
+              "matrix gradients: collective matmul's reduce-scatter ring, f + 1 fp32 shards (TPU)")  # fmt: skip
+    else:
+        b.add("all-gather", "fsdp", blocks * lo, 1, "block matrices (bf16) fwd")
+        b.add("reduce-scatter", "fsdp", (blocks + head) * nbytes, 1, "matrix gradients")
+    if b.mesh.get("data", 1) > 1:
+        b.add("all-reduce", "data,fsdp", (emb + norms) * nbytes, 1, "embedding and norm-scale gradients (TPU)")
+    else:
+        b.add("reduce-scatter", "fsdp", emb * nbytes, 1, "embedding gradient")
+        b.add("all-reduce", "fsdp", norms * nbytes, 1, "norm-scale gradients")
+
+
+def cp_comms(
+    c: dict[str, int], psi: int, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int, backend: str
+) -> list[Comm]:
+    """Context parallelism (the ring kernel over `seq`, the batch over `data`): per layer the K and V blocks around
+    the ring, forward and again backward (4 (N - 1) bf16 transfers), dK and dV home (2 N at `nbytes`); all `psi`
+    parameters' gradients all-reduced over (data, seq) at once."""
+    d, n = mesh.get("data", 1), mesh.get("seq", 1)
+    b = CommBuilder(mesh, ("seq", "data"), backend)
+    block = global_batch / d * c["num_kv_heads"] * seq_len / n * c["head_dim"]  # one device's K (or V) block
+    L, lo = c["num_layers"], min(nbytes, 2)
+    b.add("collective-permute", "seq", L * 4 * (n - 1) * block * lo, L * 4 * (n - 1), "K, V around the ring (bf16)")
+    b.add("collective-permute", "seq", L * 2 * n * block * nbytes, L * 2 * n, "dK, dV home")
+    b.add("all-reduce", "data,seq", psi * nbytes, 1, "gradients over (data, seq)")
+    return b.comms()
+
+
+def pp_comms(
+    mesh: dict[str, int], m: int, global_batch: int, seq_len: int, e: int, nbytes: int, backend: str
+) -> list[Comm]:
+    """GPipe over `stage` with `m` microbatches: a microbatch's activations one hop a tick, forward and backward, and
+    the last stage's output to every stage (and its gradient back) as two all-reduces of the whole [B, S, e]."""
+    b, p = CommBuilder(mesh, ("stage",), backend), mesh.get("stage", 1)
+    act = global_batch * seq_len * e * nbytes  # the whole batch's [B, S, e] (the batch is not split)
+    n = 2 * (m + p - 1)
+    b.add("collective-permute", "stage", n * act / m, n, "a microbatch's activations one hop a tick, fwd + bwd")
+    b.add("all-reduce", "stage", 2 * act, 2, "the last stage's output to every stage fwd, its gradient bwd")
+    return b.comms()
+
+
+def block_bytes(
+    c: dict[str, int], tokens: float, seq_len: int, es: int, hs: int, nbytes: int, scores: bool = True
+) -> float:
+    """One block's residuals as the TPU program's layer scan carries them from the forward to the backward (the
+    residual stacks [L, ...] in the forward loop's tuple, read in `compiled.as_text()`; GPT 4 x 512 fp32, seq 1024 on
+    a v5e-8 under dp, fsdp, tp: per block 212 MiB at 2048 tokens a device, to the byte), `es` / `hs` the embed and
+    head splits. A value that only feeds matmuls is kept as their bf16 operand (`lo`): per token 4e at `nbytes` +
+    2e at `lo` (the two RMSNorm outputs, the projections' inputs), q, k, v and the attention output at `lo`, 5f at
+    `nbytes` + f at `lo` (the SwiGLU product, the down projection's input), per head and key the scores at `nbytes`
+    and the probabilities at `lo` (6 bytes, not 13: the exp is not kept, the causal mask is one [s, s] buffer on
+    chip), no RoPE tables (on chip). `scores=False` (the ring kernel, cp_*; its forward loop's tuple, same GPT on
+    data=2, seq=4): no [s, s] term, q and the attention output at `nbytes` (the kernel's own residuals; k and v at
+    `lo`), the log-sum-exp (4 bytes per head) on chip."""
+    e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
+    lo = min(nbytes, 2)
+    kept = (4 * e / es + 5 * f / hs) * nbytes + (2 * e / es + f / hs) * lo
+    if scores:  # q, k, v, attention output as bf16 operands; scores fp32 + probabilities bf16
+        attn = ((n + 2 * k) * hd + n * hd) / hs * lo + (nbytes + lo) * n * seq_len / hs
+    else:  # the ring kernel: q and its output at nbytes, k and v at lo
+        attn = (2 * n * hd * nbytes + 2 * k * hd * lo) / hs
+    return tokens * (kept + attn)
+
+
+def working_set_in_hbm(num_heads: int, tokens: float, seq_len: int, head_split: int, nbytes: int) -> bool:
+    """Whether the TPU program keeps the backward's working set of one block in HBM (then counted, one block's
+    activations, as on CPU) rather than on chip. Empirical, v5e: the temporaries exceed what the layer loops
+    carry by less than 20 MiB where one layer's fp32 scores ([tokens, heads, s] of the device) are 64 MiB (dp,
+    fsdp, tp, ep at the bench shape) and by one block's activations (+-3%) where they are 128 MiB (tp3d, pp's
+    ticks): the buffers of the scores' backward no longer fit the core's VMEM (`VMEM_BYTES`)."""
+    return tokens * num_heads / head_split * seq_len * nbytes >= VMEM_BYTES
+
+
+def pp_activations(c: dict[str, int], blk: int, p: int, m: int, global_batch: int, seq_len: int, nbytes: int) -> float:
+    """GPipe over `stage` on TPU: the tick loop keeps each of its m + p - 1 ticks' residuals (bubble ticks too:
+    [ticks, L/p, B/m, ...] stacks in its tuple): the block's activations at B/m x S tokens, the bf16 copy of the
+    stage's block weights (`blk` elements a layer) and RoPE's sin / cos (2 x hd/2 fp32 a token) per tick and layer;
+    + one block's working set where `working_set_in_hbm`; the head and loss on every stage over the whole batch
+    (fp32 logits and softmax); the pipeline's input and output [B, S, e]."""
+    e, L, v, hd = c["d_model"], c["num_layers"], c["vocab_size"], c["head_dim"]
+    tokens, ticks, k = global_batch / m * seq_len, m + p - 1, L / p
+    block = block_bytes(c, tokens, seq_len, 1, 1, nbytes)
+    per_tick = k * (block + blk * min(nbytes, 2) + tokens * 2 * hd / 2 * 4)
+    acts = ticks * per_tick + (block if working_set_in_hbm(c["num_heads"], tokens, seq_len, 1, nbytes) else 0.0)
+    return acts + global_batch * seq_len * (v * 4 * 2 + 2 * e * nbytes)
+
+
+__all__ = ["VMEM_BYTES", "block_bytes", "cp_comms", "pp_activations", "pp_comms", "working_set_in_hbm",
+           "zero3_comms"]  # fmt: skip
