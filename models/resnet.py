@@ -1,9 +1,9 @@
 """A small ResNet for images (He et al. 1512.03385, v1 basic blocks) in Flax NNX, with logical names only.
 
     cfg = ResNetConfig(widths=(32, 64), blocks=(1, 1), num_classes=10)
-    model = sk.sharded_init(lambda rngs: ResNet(cfg, rngs=rngs), mesh, "fsdp")
+    model = sk.sharded_init(lambda rngs: ResNet(cfg, rngs=rngs), mesh, strategy)  # any strategy that fits it
     logits = model(images)               # f32[batch, height, width, in_channels] -> f32[batch, num_classes]
-    step = sk.make_train_step(model, tx, mesh, "fsdp", loss_fn=classification_loss, batch_axes=BATCH_AXES)
+    step = sk.make_train_step(model, tx, mesh, strategy, loss_fn=classification_loss, batch_axes=BATCH_AXES)
 
 (Built directly, outside `sk.sharded_init`, it needs `with nnx.use_eager_sharding(False):`, Flax's default being
 to take `with_partitioning` names for mesh axes at creation.)

@@ -197,7 +197,7 @@ def current_context() -> ShardingContext | None:
 
 # ------------------------------------------------------------------------------------------------------------
 # The platform a program is compiled for. A mesh may live on devices this host does not run: `sk.make_mesh(spec,
-# target="v5e-8")` compiles a TPU program on a CPU host, so `jax.default_backend()` ("cpu") says nothing about the
+# target="v5e-8")` compiles a TPU program on a CPU host, so the host's backend ("cpu") says nothing about the
 # program. Every platform decision (the ring's chunk, the grouped matmul, cuDNN, host offload of activations) asks
 # `compile_platform` instead, which reads the devices of the mesh being compiled for.
 
@@ -241,11 +241,12 @@ def compile_platform(mesh: Any = None) -> str:
     """The platform ("cpu", "gpu" (or "cuda" / "rocm" from a plugin), "tpu") of the devices this program is being
     compiled for: `mesh`'s when given (a concrete mesh's devices, or an abstract mesh's abstract device), else the
     traced step's mesh (`use_rules`), else `compiling_for`'s, else the abstract mesh of an enclosing
-    `shard_map`; JAX's default backend only when nothing is traced for a mesh (eager use, no step)."""
+    `shard_map`. With no mesh at all (eager use, a plain `jax.jit` outside any step) the program runs on JAX's
+    first device, whose platform it is."""
     for m in _program_meshes(mesh):
         if (platform := _platform_of(m)) is not None:
             return platform
-    return jax.default_backend()
+    return jax.devices()[0].platform  # no mesh: where an unsharded computation is placed
 
 
 def compile_devices(mesh: Any = None) -> list[Any]:

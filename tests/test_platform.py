@@ -158,11 +158,10 @@ def _default_backend_calls(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def test_no_platform_decision_reads_the_host_backend_outside_the_one_helper():
+def test_no_platform_decision_reads_the_host_backend():
     calls = {
         (str(p.relative_to(ROOT)), line, fn)
         for p in sorted((ROOT / "shardkit").rglob("*.py"))
         for line, fn in _default_backend_calls(p)
     }
-    assert {(path, fn) for path, _, fn in calls} == {("shardkit/rules.py", "compile_platform")}, sorted(calls)
-    assert len(calls) == 1, sorted(calls)
+    assert calls == set(), sorted(calls)  # every decision reads devices: rules.compile_platform's meshes
