@@ -127,6 +127,11 @@ def run(config: ml_collections.ConfigDict, say: Callable[[str], None], build: Ca
     """Compiles the run `config` describes and reports it; returns {fits, peak, hbm, compile_s, report}.
     `strategy=auto` (with `build`, experiments.train's): the planner's top candidates compiled for the target and
     ranked by what the compiler says (experiments/auto.py), the pick reported."""
+    if not config.get("compile_only"):  # a target without it: nothing could run there
+        raise sk.ShardkitError(
+            f"target={config.target!r}: a target's devices can only be compiled for; add --config.compile_only (on "
+            "a host with those chips, drop --config.target and run as usual)"
+        )
     if config.strategy == "auto":
         from experiments import auto
 

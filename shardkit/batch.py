@@ -96,6 +96,27 @@ def check(batch: Batch, names: Any, rules: Rules, mesh: Mesh, microbatches: int)
         )
 
 
+def _is_shape_dtype(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple | list)
+
+
+def structs(shapes: Any) -> Any:
+    """ShapeDtypeStructs (no sharding yet) from a pytree whose leaves are (shape, dtype) pairs, ShapeDtypeStructs or
+    arrays: `{"inputs": ((8, 2048), jnp.int32)}` -> `{"inputs": ShapeDtypeStruct((8, 2048), int32)}`."""
+
+    def leaf(x: Any) -> jax.ShapeDtypeStruct:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+        if _is_shape_dtype(x) and all(isinstance(d, int | np.integer) for d in x[0]):
+            return jax.ShapeDtypeStruct(tuple(int(d) for d in x[0]), np.dtype(x[1]))
+        raise ShardkitError(
+            f"abstract_batch: a leaf {x!r} is not (shape, dtype), a ShapeDtypeStruct or an array; write e.g. "
+            '{"inputs": ((8, 2048), jnp.int32), "targets": ((8, 2048), jnp.int32)}'
+        )
+
+    return jax.tree.map(leaf, shapes, is_leaf=_is_shape_dtype)
+
+
 def place(batch: Batch, shardings: Any) -> Batch:
     """The batch on the mesh as `shardings` say: numpy arrays, or arrays committed elsewhere, are moved."""
     moved = lambda x, sh: x if getattr(x, "sharding", None) == sh else jax.device_put(x, sh)

@@ -365,19 +365,7 @@ class TrainStep(abc.ABC):
         pytree whose leaves are (shape, dtype) pairs, ShapeDtypeStructs or arrays): what `lower` / `sk.explain` take
         to compile for a target without data. Checked against the mesh like a real batch."""
 
-        def leaf(x: Any) -> jax.ShapeDtypeStruct:
-            if hasattr(x, "shape") and hasattr(x, "dtype"):
-                return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
-            if (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple | list)
-                    and all(isinstance(d, int | np.integer) for d in x[0])):  # fmt: skip
-                return jax.ShapeDtypeStruct(tuple(int(d) for d in x[0]), jnp.dtype(x[1]))
-            raise ShardkitError(
-                f"abstract_batch: a leaf {x!r} is not (shape, dtype), a ShapeDtypeStruct or an array; write e.g. "
-                '{"inputs": ((8, 2048), jnp.int32), "targets": ((8, 2048), jnp.int32)}'
-            )
-
-        is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple | list)
-        structs = jax.tree.map(leaf, shapes, is_leaf=is_pair)
+        structs = batching.structs(shapes)
         _, shardings = self.prepared(structs)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), structs, shardings)
 
