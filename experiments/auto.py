@@ -128,8 +128,7 @@ def rules_candidates(config: Any, devices: int, preset: sk.HardwarePreset, build
 def compiled_estimate(c: Candidate, preset: sk.HardwarePreset, peak: float, budget: float) -> None:
     """Compiles the candidate's train step; fills memory, flops, bytes, the roofline + collectives estimate."""
     step, task = c.run.step, c.run.task
-    with sk.targets.cache_off_for(step.mesh):
-        c.compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
+    c.compiled = step.compile(step.abstract_state(), task.batch_spec(step))
     ma = c.compiled.memory_analysis()
     get = lambda k: float(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
     c.memory = get("argument") + get("output") - get("alias") + get("temp")

@@ -149,10 +149,10 @@ def run(config: ml_collections.ConfigDict, say: Callable[[str], None], build: Ca
     try:
         report, header = explain_config(config)
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        why = sk.targets.out_of_memory(e)
+        if not why:
             raise
         # the TPU compiler's own verdict: it will not emit a program larger than the chip's HBM
-        why = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
         where = config.get("target") or "these devices"
         say(f"fits in HBM: NO -- XLA's compiler refused the program for {where}: {why}")
         for note in getattr(e, "__notes__", []):

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import shardkit as sk
 from models.gpt import GPTConfig
 from shardkit import costmodel
 from shardkit.errors import ShardkitError
@@ -91,8 +92,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         if args.target:
-            import shardkit as sk
-
             tgt = sk.target(args.target)
             args.devices, args.hardware = tgt.num_devices, tgt.preset()
         cfg, batch, seq = model_from_config(args.model)
@@ -140,9 +139,9 @@ def compiled_ranking(args: argparse.Namespace, plans: list[costmodel.Plan], batc
         try:
             report, _ = explain_config(config)
         except Exception as e:  # the compiler's refusal (out of HBM) is a verdict on the plan, not an error here
-            if "RESOURCE_EXHAUSTED" not in str(e):
+            if not (why := sk.targets.out_of_memory(e)):
                 raise
-            rows.append((p, None, time.perf_counter() - t0, str(e).split("RESOURCE_EXHAUSTED:")[1].strip()[:60]))
+            rows.append((p, None, time.perf_counter() - t0, why[:60]))
             continue
         rows.append((p, report, time.perf_counter() - t0, ""))
     key = lambda r: (not (r[1] and r[1].fits), sum(c.bytes_sent for c in r[1].collectives) if r[1] else 0.0)

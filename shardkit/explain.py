@@ -275,8 +275,8 @@ def explain(
     HardwarePreset; default: the chip of the mesh's devices (shardkit.targets.chip_of), none on CPU.
     """
     # kernels that issue their own collectives report them while traced
-    with kernels.recording() as traced, targets.cache_off_for(step.mesh):
-        compiled = step.lower(state, batch).compile()
+    with kernels.recording() as traced:
+        compiled = step.compile(state, batch)
     # a step traced before (jax's trace cache: this lowering ran no Python) kept its kernels' reports itself
     traced = traced or (step.kernel_calls(batch) if hasattr(step, "kernel_calls") else [])
     mesh = step.mesh

@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from shardkit import hlo, targets
+from shardkit import hlo
 from shardkit.dispatch import make_train_step
 from shardkit.layers import REMAT_POLICIES
 
@@ -52,8 +52,7 @@ def compile_policy(step: Any, state: Any, batch: Any, policy: str) -> Any:
     strategy = step.strategy.replace(kernels={"remat": policy})
     other = make_train_step(step.source_model, step.tx, step.mesh, strategy, loss_fn=step.loss_fn,
                             batch_axes=step.batch_axes, microbatches=step.microbatches, donate=step.donate)  # fmt: skip
-    with targets.cache_off_for(step.mesh):
-        return other.lower(state, batch).compile()
+    return other.compile(state, batch)
 
 
 def figures(compiled: Any, policy: str, base_matmul_flops: int | None = None) -> PolicyFigures:

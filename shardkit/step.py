@@ -63,7 +63,7 @@ from shardkit.init import is_key, split_params, state_logical_axes, state_shardi
 from shardkit.rules import compiling_for, flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
-from shardkit.targets import require_runnable
+from shardkit.targets import cache_off_for, compile_only, require_runnable
 
 LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -174,6 +174,7 @@ class TrainStep(abc.ABC):
             opt_state=host("opt_state", self.opt_shardings), model_state=self.model_state_shardings,
         )  # fmt: skip
         self.donate = donate
+        self.compile_only = compile_only(mesh)  # a target's devices: lower / compile only (shardkit/targets.py)
         self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
         self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
         self.setup()
@@ -398,7 +399,8 @@ class TrainStep(abc.ABC):
         return self.cache["step", key]
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        require_runnable(self.mesh, "calling the train step")
+        if self.compile_only:
+            require_runnable(self.mesh, "calling the train step")
         if self.donate:
             check_alive(state, "this TrainState")
         self.check_state(state)
@@ -407,6 +409,12 @@ class TrainStep(abc.ABC):
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         return self.jit(*self.prepared(batch)).lower(state, batch)
+
+    def compile(self, state: TrainState, batch: Batch) -> jax.stages.Compiled:
+        """`lower(state, batch).compile()`; for a target's compile-only devices without JAX's persistent cache, whose
+        entries for them cannot be read back (shardkit.targets.cache_off_for)."""
+        with cache_off_for(self.mesh):
+            return self.lower(state, batch).compile()
 
     def kernel_calls(self, batch: Batch) -> list[kernels.Traced]:
         """What the kernels reported while the step for `batch`'s signature was traced (its own collectives:

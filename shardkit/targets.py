@@ -188,6 +188,14 @@ def cache_off_for(mesh: Any) -> Iterator[None]:
             cc._cache_checked, cc._cache_used = saved
 
 
+def out_of_memory(error: BaseException) -> str:
+    """The compiler's reason when `error` is XLA refusing a program larger than the devices' memory
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, ... (213.45G) exceeds available HBM (95.74G)."), else "":
+    a verdict on the plan (it does not fit), not a failure of the tool."""
+    text = str(error)
+    return text.split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0] if "RESOURCE_EXHAUSTED:" in text else ""
+
+
 #: device_kind (as JAX reports it) -> generation, for a mesh built on devices rather than from a name
 _KINDS = {"TPU v4": "v4", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
           "TPU v6 lite": "v6e", "TPU v6e": "v6e"}  # fmt: skip
@@ -332,5 +340,5 @@ def target(name: str | Target, *, hbm_margin: float = HBM_MARGIN) -> Target:
 
 __all__ = [
     "HBM_MARGIN", "Target", "cache_off_for", "chip_of", "compile_only", "keep_host_platforms", "libtpu_missing",
-    "require_runnable", "target", "tpu_attached",
+    "out_of_memory", "require_runnable", "target", "tpu_attached",
 ]  # fmt: skip
