@@ -56,10 +56,32 @@ def _float64_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, m
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-register_attention(
-    "dense",
-    lambda q, k, v, *, causal, segment_ids, context: dense_attention(q, k, v, causal=causal, segment_ids=segment_ids),
-)
+def _dense_from_context(q, k, v, *, causal: bool, segment_ids: Any, context: Any) -> jax.Array:
+    """Dense attention inside a train step: by the block kernel the strategy names (`attention_block`, blocks.py;
+    auto: from the mesh's devices), a fused one inside a `shard_map` over the batch and head axes (a Mosaic kernel
+    cannot be partitioned by GSPMD), else `dense_attention` under GSPMD."""
+    from shardkit.attention import blocks
+
+    if context is None:
+        return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    named = blocks.named()
+    seq_sharded = bool(context.rules.get("seq"))
+    if named == "xla" or (named == "auto" and seq_sharded):
+        return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    what = "dense attention"
+    kernel = blocks.resolve(named, compile_platform(context.mesh), lengths=(q.shape[1],), ring=False, dtype=q.dtype,
+                            segment_ids=segment_ids is not None, what=what, devices=context.mesh.size)  # fmt: skip
+    if kernel == "xla":
+        return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if seq_sharded:
+        raise ShardkitError(
+            f"{what}: attention_block={kernel} needs each device's whole sequence, and this strategy shards it over "
+            f"{context.rules['seq']}; use attention_block=xla here, or a context-parallel strategy (cp_*)"
+        )
+    return blocks.sharded_local(kernel, q, k, v, segment_ids, causal, context)
+
+
+register_attention("dense", _dense_from_context)
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 

@@ -32,11 +32,13 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import kernels
+from shardkit.attention import blocks
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
 from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.chunking import chunk_size as chunk_size  # re-exported: bench_attention, older callers
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
+from shardkit.attention.ring_fused import fused_ring_local
 from shardkit.rules import ShardingContext, compile_platform
 
 #: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on
@@ -58,6 +60,8 @@ class RingConfig:
     causal: bool
     chunk_q: int
     chunk_k: int
+    block: str = "xla"  # the block kernel (blocks.py): "xla" is this file's scan; splash / flash / cudnn fused
+    platform: str = "cpu"  # of the devices compiled for: a Mosaic kernel is interpreted off TPU
 
 
 def _chunks(x: Any, size: int) -> Any:
@@ -269,9 +273,21 @@ def _forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any
     return _q_back(o / ell[..., None]).astype(q.dtype), m + jnp.log(ell)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ring_local(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> jax.Array:
-    """Per-device body: q [b, c, heads, d], k, v [b, c, kv_heads, d], seg [b, c] | None -> [b, c, heads, d]."""
+    """Per-device body: q [b, c, heads, d], k, v [b, c, kv_heads, d], seg [b, c] | None -> [b, c, heads, d].
+
+    By the block kernel `cfg.block`: this file's scan (xla), a fused kernel over the whole local sequence when there
+    is no ring (Ulysses' heads), or the ring over a fused kernel merged by its lse (ring_fused.py)."""
+    if cfg.block == "xla":
+        return scan_local(cfg, q, k, v, seg)
+    if cfg.axis is None or cfg.n == 1:
+        return blocks.local_attention(cfg.block, q, k, v, seg, cfg.causal, cfg.platform)
+    return fused_ring_local(cfg, q, k, v, seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def scan_local(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> jax.Array:
+    """`ring_local` by the chunked scan (attention_block=xla)."""
     return _forward(cfg, q, k, v, seg)[0]
 
 
@@ -309,7 +325,7 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
     return dq, _kv_back(dk).astype(k.dtype), _kv_back(dv).astype(v.dtype), None  # dk has the scale via q
 
 
-ring_local.defvjp(_ring_fwd, _ring_bwd)
+scan_local.defvjp(_ring_fwd, _ring_bwd)
 
 
 def mesh_platform(mesh: Mesh) -> str:
@@ -317,6 +333,16 @@ def mesh_platform(mesh: Mesh) -> str:
     a kernel gets may be abstract (a pipeline stage's `shard_map`) or on compile-only TPU devices from a CPU host:
     `rules.compile_platform` reads its abstract device, else the traced step's mesh, never the host's backend."""
     return compile_platform(mesh)
+
+
+def ring_block(block: str | None, platform: str, c: int, layout: str, n: int, dtype: Any, segments: bool,
+               what: str, devices: int = 1) -> str:  # fmt: skip
+    """The block kernel a ring of `n` ranks holding `c` tokens each runs (`blocks.resolve`): a zigzag pair may be
+    half a block long; a ring of one is local attention (no lse merge)."""
+    lengths = (c, c // 2) if layout == "zigzag" and n > 1 else (c,)
+    return blocks.resolve(
+        block, platform, lengths=lengths, ring=n > 1, dtype=dtype, segment_ids=segments, what=what, devices=devices
+    )
 
 
 def ring_attention(
@@ -332,19 +358,23 @@ def ring_attention(
     chunk: int | None = DEFAULT_CHUNK,
     batch_axes: Any = None,
     head_axes: Any = None,
+    block: str | None = None,
 ) -> jax.Array:
     """[b, S, heads, d], [b, S, kv_heads, d] x 2 sharded on S over `axis`, in `layout` -> [b, S, heads, d].
 
     `batch_axes` / `head_axes` (optional) are mesh axes already sharding the batch / heads dimensions (set by
     `attend` from the strategy's compute rules); K, V heads then shard like the query heads. `chunk`: the
     query/key chunk of the inner loop (None: chosen for the mesh's backend and the block, chunking.py).
+    `block`: the block kernel (blocks.py: xla, splash; None = auto, from the mesh's devices).
     """
     check_qkv(q, k, v, segment_ids, "ring_attention")
     n = check_axis(mesh, axis, "ring_attention")
     check_layout(layout, q.shape[1], n)
     c = q.shape[1] // n
-    cq = resolve_chunk(chunk, c, layout, n, mesh_platform(mesh), "ring_attention")
-    cfg = RingConfig(axis, n, layout, causal, cq, cq)
+    platform = mesh_platform(mesh)
+    cq = resolve_chunk(chunk, c, layout, n, platform, "ring_attention")
+    kernel = ring_block(block, platform, c, layout, n, q.dtype, segment_ids is not None, "ring_attention", mesh.size)
+    cfg = RingConfig(axis, n, layout, causal, cq, cq, kernel, platform)
     spec = PartitionSpec(spec_entry(batch_axes), axis, spec_entry(head_axes))
     seg_spec = PartitionSpec(spec_entry(batch_axes), axis)
     fn = jax.shard_map(
@@ -364,7 +394,7 @@ def _ring_from_context(layout: str) -> Any:
         chunk = chunk_option(kernels.active("attention")[1], f"ring:{layout}")  # ring:zigzag:256 -> 256
         return ring_attention(
             q, k, v, mesh=mesh, axis="seq", causal=causal, layout=layout, segment_ids=segment_ids,
-            chunk=chunk, batch_axes=batch_axes, head_axes=head_axes,
+            chunk=chunk, batch_axes=batch_axes, head_axes=head_axes, block=blocks.named(),
         )  # fmt: skip
 
     return kernel

@@ -20,10 +20,11 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import kernels
+from shardkit.attention import blocks
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
 from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.dense import register_attention
-from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform, ring_local
+from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform, ring_block, ring_local
 from shardkit.errors import ShardkitError
 from shardkit.rules import ShardingContext
 
@@ -87,8 +88,12 @@ def ulysses_attention(
     chunk: int | None = DEFAULT_CHUNK,
     batch_axes: Any = None,
     head_axes: Any = None,
+    block: str | None = None,
 ) -> jax.Array:
-    """[b, S, heads, d], [b, S, kv_heads, d] x 2 sharded on S over `axis` (contiguous) -> [b, S, heads, d]."""
+    """[b, S, heads, d], [b, S, kv_heads, d] x 2 sharded on S over `axis` (contiguous) -> [b, S, heads, d].
+
+    `block`: the local attention's kernel (blocks.py: xla, splash, flash, cudnn; None = auto, from the mesh's
+    devices)."""
     check_qkv(q, k, v, segment_ids, "ulysses_attention")
     p = check_axis(mesh, axis, "ulysses_attention")
     head_degree = math.prod(mesh.shape[a] for a in ((head_axes,) if isinstance(head_axes, str) else head_axes or ()))
@@ -98,8 +103,11 @@ def ulysses_attention(
             f"ulysses_attention: sequence length {q.shape[1]} is not divisible by the Ulysses degree {p} "
             f"(mesh axis {axis!r}); pad it to a multiple of {p}"
         )
-    cq = resolve_chunk(chunk, q.shape[1], "contiguous", 1, mesh_platform(mesh), "ulysses_attention")
-    ring = RingConfig(None, 1, "contiguous", causal, cq, cq)
+    platform = mesh_platform(mesh)
+    cq = resolve_chunk(chunk, q.shape[1], "contiguous", 1, platform, "ulysses_attention")
+    kernel = ring_block(block, platform, q.shape[1], "contiguous", 1, q.dtype, segment_ids is not None,
+                        "ulysses_attention", mesh.size)  # fmt: skip
+    ring = RingConfig(None, 1, "contiguous", causal, cq, cq, kernel, platform)
     spec = PartitionSpec(spec_entry(batch_axes), axis, spec_entry(head_axes))
     seg_spec = None if segment_ids is None else PartitionSpec(spec_entry(batch_axes), axis)
     body = functools.partial(all_to_all_attention, axis=axis, p=p, ring=ring)
@@ -114,7 +122,7 @@ def _ulysses_from_context(q, k, v, *, causal: bool, segment_ids: Any, context: S
     chunk = chunk_option(kernels.active("attention")[1], "ulysses")  # ulysses:256 -> 256
     return ulysses_attention(
         q, k, v, mesh=mesh, axis="seq", causal=causal, segment_ids=segment_ids, chunk=chunk,
-        batch_axes=batch_axes, head_axes=head_axes,
+        batch_axes=batch_axes, head_axes=head_axes, block=blocks.named(),
     )  # fmt: skip
 
 

@@ -20,11 +20,12 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import kernels
+from shardkit.attention import blocks
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
 from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, check_layout
-from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform
+from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform, ring_block
 from shardkit.attention.ulysses import all_to_all_attention, check_heads
 from shardkit.errors import ShardkitError
 from shardkit.rules import ShardingContext
@@ -44,10 +45,12 @@ def usp_attention(
     chunk: int | None = DEFAULT_CHUNK,
     batch_axes: Any = None,
     head_axes: Any = None,
+    block: str | None = None,
 ) -> jax.Array:
     """[b, S, heads, d], [b, S, kv_heads, d] x 2 sharded on S over (ring_axis, ulysses_axis) -> [b, S, heads, d].
 
     The inputs are in `layout` for a ring of mesh.shape[ring_axis] ranks (`to_layout(x, layout, mesh, ring_axis)`).
+    `block`: the ring's block kernel (blocks.py: xla, splash; None = auto, from the mesh's devices).
     """
     check_qkv(q, k, v, segment_ids, "usp_attention")
     u = check_axis(mesh, ulysses_axis, "usp_attention")
@@ -61,8 +64,10 @@ def usp_attention(
             f"{u} devices; pad it to a multiple of {math.lcm(r * u, 2 * r if layout == 'zigzag' else r)}"
         )
     c = q.shape[1] // r
-    cq = resolve_chunk(chunk, c, layout, r, mesh_platform(mesh), "usp_attention")
-    ring = RingConfig(ring_axis, r, layout, causal, cq, cq)
+    platform = mesh_platform(mesh)
+    cq = resolve_chunk(chunk, c, layout, r, platform, "usp_attention")
+    kernel = ring_block(block, platform, c, layout, r, q.dtype, segment_ids is not None, "usp_attention", mesh.size)
+    ring = RingConfig(ring_axis, r, layout, causal, cq, cq, kernel, platform)
     seq = (ring_axis, ulysses_axis)
     spec = PartitionSpec(spec_entry(batch_axes), seq, spec_entry(head_axes))
     seg_spec = None if segment_ids is None else PartitionSpec(spec_entry(batch_axes), seq)
@@ -79,7 +84,7 @@ def _usp_from_context(layout: str) -> Any:
         chunk = chunk_option(kernels.active("attention")[1], f"usp:{layout}")  # usp:zigzag:256 -> 256
         return usp_attention(
             q, k, v, mesh=mesh, causal=causal, layout=layout, segment_ids=segment_ids, chunk=chunk,
-            batch_axes=batch_axes, head_axes=head_axes,
+            batch_axes=batch_axes, head_axes=head_axes, block=blocks.named(),
         )  # fmt: skip
 
     return kernel

@@ -1,0 +1,282 @@
+"""The attention block kernel: what computes softmax(q kᵀ) v for one query block against one key block.
+
+Every attention kernel of this package ends in the same work: a block of queries against a block of keys (the ring's
+[local block, travelling block] pairs, Ulysses' local heads over the whole sequence, dense attention). The slot
+`attention_block` (`--config.kernels=attention_block=<name>`) says which implementation does it:
+
+    xla      the chunked online-softmax scan of ring.py (plain XLA; the CPU kernel, and the reference)
+    splash   Pallas's TPU splash attention (Mosaic; `jax.experimental.pallas.ops.tpu.splash_attention`). Inside the
+             ring it returns each block's log-sum-exp, blocks merge by it, and the backward runs splash's own
+             backward kernel with the *merged* lse and output (ring_fused.py). On a mesh of CPU devices it runs in
+             Pallas's interpret mode (parity tests; slow), on GPUs it is refused.
+    flash    Pallas's TPU flash attention (Mosaic): dense and Ulysses' local attention only (it returns no lse a
+             ring could merge by); plain causal masks and segment ids. CPU: the TPU interpreter.
+    cudnn    cuDNN's fused attention through `jax.nn.dot_product_attention` (NVIDIA GPUs, bf16/fp16, no segment
+             ids): dense and Ulysses' local attention only.
+    auto     (the default) chosen from the mesh's devices (`rules.compile_platform`): splash on TPU where the block
+             lengths are multiples of 128, cudnn on GPU for local attention where it can run, else xla.
+
+An explicit choice that cannot run (a ring block under `flash`, segment ids under `cudnn`, a block of 96 tokens under
+`splash`) is refused with the reason; only `auto` falls back, and `explain` names what it chose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardkit import kernels
+from shardkit.errors import ShardkitError
+
+BLOCK_KERNELS = ("auto", "xla", "splash", "flash", "cudnn")
+#: the kernels that return a block's log-sum-exp (a ring can merge their blocks)
+MERGEABLE = ("xla", "splash")
+#: Mosaic's lane width: splash's key block (and so every block length it takes) is a multiple of it
+LANES = 128
+#: the largest splash block (MaxText's `sa_block_q` = `sa_block_kv` = 512)
+SPLASH_BLOCK = 512
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def _fits_splash(lengths: tuple[int, ...]) -> bool:
+    return all(n % LANES == 0 for n in lengths)
+
+
+def resolve(
+    name: str | None, platform: str, *, lengths: tuple[int, ...], ring: bool, dtype: Any, segment_ids: bool,
+    what: str, devices: int = 1,
+) -> str:  # fmt: skip
+    """The block kernel that runs: `name` checked (ShardkitError naming why it cannot), or `auto`'s choice.
+
+    `lengths`: the query/key block lengths the kernel sees; `ring`: blocks are merged by their lse (a ring of more
+    than one rank); `dtype`: the inputs'; `segment_ids`: packed documents are given; `devices`: in the mesh."""
+    name = name or "auto"
+    if name not in BLOCK_KERNELS:
+        raise ShardkitError(f"{what}: attention_block={name!r} is not one of {', '.join(BLOCK_KERNELS)}")
+    gpu = platform in GPU_PLATFORMS
+    if name == "auto":
+        if platform == "tpu" and _fits_splash(lengths):
+            return "splash"
+        if gpu and not ring and jnp.dtype(dtype).name in ("bfloat16", "float16") and not segment_ids:
+            return "cudnn"
+        return "xla"
+    if ring and name not in MERGEABLE:
+        raise ShardkitError(
+            f"{what}: attention_block={name} returns no log-sum-exp, which the ring merges its blocks by; use "
+            f"attention_block=splash (TPU) or xla for ring attention (cp_ring, cp_zigzag, cp_striped, cp_usp)"
+        )
+    if name in ("splash", "flash"):
+        if gpu:
+            raise ShardkitError(
+                f"{what}: attention_block={name} is a Mosaic TPU kernel and this program is compiled for {platform!r} "
+                "devices; use attention_block=cudnn (dense, ulysses) or xla"
+            )
+        if not _fits_splash(lengths):
+            raise ShardkitError(
+                f"{what}: attention_block={name} takes blocks whose lengths are multiples of {LANES} (Mosaic's lane "
+                f"width); these are {lengths} tokens: use a sequence whose per-rank blocks are multiples of {LANES} "
+                "(zigzag: each half), or attention_block=xla"
+            )
+    if name == "flash" and interpreting(platform) and devices > 1:
+        raise ShardkitError(
+            f"{what}: attention_block=flash on {platform!r} devices runs in Pallas's TPU interpreter, which does not "
+            f"return inside a shard_map over {devices} CPU devices (it simulates the chips' synchronisation); run it "
+            "on one device, or use attention_block=splash (interpret mode) or xla"
+        )
+    if name == "cudnn":
+        from shardkit.attention.dense import CUDNN_DTYPES
+
+        if not gpu:
+            raise ShardkitError(f"{what}: attention_block=cudnn runs on NVIDIA GPUs; this program is for {platform!r}")
+        if jnp.dtype(dtype).name not in CUDNN_DTYPES or segment_ids:
+            raise ShardkitError(
+                f"{what}: attention_block=cudnn takes bf16/fp16 inputs without segment ids (got {jnp.dtype(dtype).name}"
+                f"{', segment ids' if segment_ids else ''}); use attention_block=xla"
+            )
+    return name
+
+
+def named() -> str:
+    """The block kernel the active train step's strategy names (`auto` outside a step or when it names none)."""
+    return kernels.active("attention_block")[1]
+
+
+def interpreting(platform: str) -> bool:
+    """Whether a Mosaic kernel runs in Pallas's interpreter: it is compiled for devices that are not TPUs."""
+    return platform != "tpu"
+
+
+def block_size(length: int, interpret: bool) -> int:
+    """The splash tile along a block of `length` tokens: the largest multiple of 128 dividing it, at most 512."""
+    del interpret
+    return max(b for b in range(LANES, min(SPLASH_BLOCK, length) + 1, LANES) if length % b == 0)
+
+
+# ---- splash: one [g query heads, Lq] x [Lk] block per (batch, kv head), MQA form (GQA: vmapped over kv heads) ----
+
+MASKS = ("full", "causal", "strict")  # keys visible: all; k <= q; k < q (local indices of the block pair)
+
+
+@functools.lru_cache(maxsize=64)
+def splash_kernel(mask: str, heads: int, lq: int, lk: int, interpret: bool, residuals: bool) -> Any:
+    """A splash MQA kernel for `heads` query heads over one kv head, [lq] x [lk] under `mask` (cached per shape)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sa
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    offset = 0 if mask == "causal" else -1  # strict: k < q
+    one = sm.FullMask((lq, lk)) if mask == "full" else sm.CausalMask((lq, lk), offset=offset)
+    bq, bk = block_size(lq, interpret), block_size(lk, interpret)
+    sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                          block_kv_dkv_compute=bk, use_fused_bwd_kernel=True)  # fmt: skip
+    with jax.ensure_compile_time_eval():  # its mask tables are constants, never tracers of the step being traced
+        return sa.make_splash_mqa(sm.MultiHeadMask([one] * heads), block_sizes=sizes, save_residuals=residuals,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)  # fmt: skip
+
+
+def _segments(qseg: Any, kseg: Any) -> Any:
+    if qseg is None:
+        return None
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sa
+
+    return sa.SegmentIds(q=qseg.astype(jnp.int32), kv=kseg.astype(jnp.int32))
+
+
+def _per_kv_head(fn: Any, q: jax.Array, k: jax.Array, v: jax.Array, qseg: Any, kseg: Any, *rest: jax.Array) -> Any:
+    """fn(q [g, lq, d], k, v [lk, d], segments, *rest per (b, kv)) over q [b, kv, g, lq, d], k, v [b, kv, lk, d]."""
+    per_b = lambda q, k, v, qs, ks, *r: jax.vmap(lambda q, k, v, *r: fn(q, k, v, _segments(qs, ks), *r))(q, k, v, *r)
+    seg_axis = None if qseg is None else 0
+    return jax.vmap(per_b, in_axes=(0, 0, 0, seg_axis, seg_axis, *([0] * len(rest))))(q, k, v, qseg, kseg, *rest)
+
+
+def splash_forward(mask: str, q: jax.Array, k: jax.Array, v: jax.Array, qseg: Any, kseg: Any, interpret: bool) -> tuple:
+    """(o fp32 [b, kv, g, lq, d], lse fp32 [b, kv, g, lq]) of one block pair; q already scaled by 1/sqrt(d).
+
+    A query row that sees no key of this block gets lse = the mask value (about -2.4e38): its weight in the merge
+    is exp(that - merged lse) = 0."""
+    kernel = splash_kernel(mask, q.shape[2], q.shape[3], k.shape[2], interpret, True)
+    o, (lse,) = _per_kv_head(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), q, k, v, qseg, kseg)
+    return o.astype(jnp.float32), lse.astype(jnp.float32)
+
+
+def splash_backward(mask: str, q, k, v, qseg, kseg, o, lse, do, interpret: bool) -> tuple:
+    """(dq, dk, dv) of one block pair given the *merged* output and lse of the rows: splash's own backward kernel,
+    which recomputes P = exp(S - lse) and dS = P (dP - rowsum(dO O)), so each block contributes its exact share."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sa
+
+    kernel = splash_kernel(mask, q.shape[2], q.shape[3], k.shape[2], interpret, False)
+    kw = kernel.kwargs
+
+    def one(q, k, v, segments, o, lse, do):
+        # the residuals splash's forward saves (q, k, v, segments, sinks, out, lse, dq / dkv mask info), with the
+        # merged output and lse in place of this block's: jax 0.10-0.12 share this private signature (tested)
+        res = (q, k, v, segments, None, o.astype(q.dtype), lse, kernel.dq_mask_info, kernel.dkv_mask_info)
+        static = [kw[n] for n in ("save_residuals", "mask_value", "is_mqa", "block_sizes", "residual_checkpoint_name",
+                                  "mask_function", "attn_logits_soft_cap", "interpret")]  # fmt: skip
+        grads = sa._splash_attention_bwd(*static, res, do.astype(q.dtype))
+        return grads[3:6]
+
+    return _per_kv_head(one, q, k, v, qseg, kseg, o, lse, do)
+
+
+# ---- local attention (no merge): dense attention and Ulysses' heads, each kernel with its own backward ----
+
+
+@contextlib.contextmanager
+def _tpu_interpreter(interpret: bool):
+    """flash's kernel takes no `interpret=`: on non-TPU devices it runs under Pallas's TPU interpreter."""
+    if not interpret:
+        yield
+        return
+    from jax.experimental.pallas import tpu as pltpu
+
+    with pltpu.force_tpu_interpret_mode():
+        yield
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _interpreted(kernel: Any, interpret: bool, q: jax.Array, k: jax.Array, v: jax.Array, segments: Any) -> jax.Array:
+    """kernel(q, k, v, segment_ids=segments), its forward and backward kernels both traced under the TPU interpreter
+    when `interpret` (the interpreter is chosen when a kernel is traced, and a backward is traced after the forward's
+    context has closed)."""
+    with _tpu_interpreter(interpret):
+        return kernel(q, k, v, segment_ids=segments)
+
+
+def _interpreted_fwd(kernel: Any, interpret: bool, q, k, v, segments) -> tuple:
+    with _tpu_interpreter(interpret):
+        o, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids=segments), q, k, v)
+    return o, (vjp, segments)
+
+
+def _interpreted_bwd(kernel: Any, interpret: bool, res: tuple, do: jax.Array) -> tuple:
+    vjp, segments = res
+    with _tpu_interpreter(interpret):
+        return (*vjp(do), None if segments is None else jax.tree.map(lambda _: None, segments))
+
+
+_interpreted.defvjp(_interpreted_fwd, _interpreted_bwd)
+
+
+def local_attention(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any, causal: bool,
+                    platform: str) -> jax.Array:  # fmt: skip
+    """[b, s, heads, d] x 2 x [b, s, kv_heads, d] -> [b, s, heads, d], one device's whole sequence, by `name`
+    (splash, flash or cudnn; differentiated by the kernel's own backward). q is not scaled."""
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    interpret = interpreting(platform)
+    if name == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(q.dtype)
+    qs = q * jnp.asarray(1.0 / np.sqrt(d), q.dtype)
+    if name == "splash":
+        kernel = splash_kernel("causal" if causal else "full", h // kv, s, s, interpret, False)
+        qh = jnp.moveaxis(qs.reshape(b, s, kv, h // kv, d), 1, 3)  # [b, kv, g, s, d]
+        kh, vh = (jnp.moveaxis(x, 1, 2) for x in (k, v))  # [b, kv, s, d]
+        o = _per_kv_head(lambda q, k, v, sg: kernel(q, k, v, segment_ids=sg), qh, kh, vh, seg, seg)
+        return jnp.moveaxis(o, 3, 1).reshape(b, s, h, d).astype(q.dtype)
+    if name == "flash":
+        from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+        g = h // kv
+        kh, vh = (jnp.moveaxis(jnp.repeat(x, g, axis=2), 1, 2) for x in (k, v))  # MHA only: kv heads repeated
+        t = block_size(s, interpret)
+        sizes = fa.BlockSizes(block_q=t, block_k_major=t, block_k=t, block_b=1, block_q_major_dkv=t,
+                              block_k_major_dkv=t, block_k_dkv=t, block_q_dkv=t, block_k_major_dq=t, block_k_dq=t,
+                              block_q_dq=t)  # fmt: skip
+        flash = functools.partial(fa.flash_attention, causal=causal, block_sizes=sizes)
+        segments = None if seg is None else fa.SegmentIds(q=seg.astype(jnp.int32), kv=seg.astype(jnp.int32))
+        o = _interpreted(flash, interpret, jnp.moveaxis(qs, 1, 2), kh, vh, segments)
+        return jnp.moveaxis(o, 2, 1).astype(q.dtype)
+    raise ShardkitError(f"local_attention: {name!r} is not a fused block kernel")
+
+
+def sharded_local(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any, causal: bool, context: Any) -> Any:
+    """`local_attention` inside a `shard_map` over the strategy's batch and head axes (the sequence whole)."""
+    from jax.sharding import PartitionSpec
+
+    from shardkit.attention.checks import match_kv_heads, spec_entry
+    from shardkit.attention.ring import CHECK_VMA
+    from shardkit.rules import compile_platform
+
+    k, v = match_kv_heads(k, v, q.shape[2], context)
+    batch, heads = spec_entry(context.rules.get("batch")), spec_entry(context.rules.get("heads"))
+    spec, seg_spec = PartitionSpec(batch, None, heads), PartitionSpec(batch, None)
+    body = functools.partial(local_attention, name, causal=causal, platform=compile_platform(context.mesh))
+    fn = lambda q, k, v, s: body(q, k, v, s)
+    return jax.shard_map(fn, mesh=context.mesh, in_specs=(spec, spec, spec, None if seg is None else seg_spec),
+                         out_specs=spec, check_vma=CHECK_VMA)(q, k, v, seg)  # fmt: skip
+
+
+for _name, _what in (
+    ("auto", "chosen from the mesh's devices: splash on TPU, cudnn on GPU (local attention), else xla"),
+    ("xla", "the chunked online-softmax scan (ring.py), plain XLA"),
+    ("splash", "Pallas TPU splash attention (Mosaic), merged by its lse inside the ring"),
+    ("flash", "Pallas TPU flash attention (Mosaic): dense / Ulysses local attention only"),
+    ("cudnn", "cuDNN fused attention (NVIDIA GPUs, bf16): dense / Ulysses local attention only"),
+):
+    kernels.register("attention_block", _name, functools.partial(local_attention, _name), description=_what)
+kernels.DEFAULTS["attention_block"] = "auto"
