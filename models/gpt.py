@@ -137,10 +137,12 @@ class GPTConfig:
         if family is None:
             return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
-        comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend))
+        block = sk.attention.blocks.planned(strategy, mesh, seq, backend)  # splash on TPU: no [s, s] scores kept
+        fused = block in ("splash", "flash")
+        comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend, fused))
         memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
-                                 backend=backend)  # fmt: skip
-        return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend})"
+                                 backend=backend, fused_attention=fused)  # fmt: skip
+        return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention {block})"
 
     def remat_policy(self, strategy: Any) -> str:
         """The remat policy the cost model assumes under `strategy`: its `remat` kernel where it sets one (what

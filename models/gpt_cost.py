@@ -154,7 +154,7 @@ def pp_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
 
 def strategy_comms(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    backend: str = "gpu", gspmd: bool = False,
+    backend: str = "gpu", gspmd: bool = False, fused_attention: bool = False,
 ) -> list[Comm]:  # fmt: skip
     """Per-device bytes per step of each collective of one GPT train step (no gradient accumulation).
 
@@ -165,7 +165,8 @@ def strategy_comms(
     for a stack of `tensor3d.linear` layers); `gspmd=True`: the whole GPT step under the `tp3d` GSPMD rules,
     the projections (whose depth reduce-scatter is an AR on CPU) + embedding, RMSNorms, head, vocab-parallel
     cross-entropy and the loss / grad-norm scalars (`gpt_extra_comms`); rows may then name
-    several axes ("data,depth": one collective over their product).
+    several axes ("data,depth": one collective over their product). `fused_attention`: the ring's blocks are a
+    fused kernel's (splash), which K and V reach in their own dtype (the XLA scan's dots take them in bf16 on TPU).
     """
     c = _cfg(cfg)
     e, L = c["d_model"], c["num_layers"]
@@ -184,7 +185,8 @@ def strategy_comms(
     act = global_batch // (d * f) * seq_len * e * nbytes
     shard = psi * nbytes / (t * f)
     if strategy == "cp" and backend == "tpu":  # the ring kernel's permutes, gradients over (data, seq)
-        return gpt_tpu_cost.cp_comms(c, psi, mesh, global_batch, seq_len, nbytes, backend)
+        kv_bytes = nbytes if fused_attention else min(nbytes, 2)
+        return gpt_tpu_cost.cp_comms(c, psi, mesh, global_batch, seq_len, nbytes, backend, kv_bytes)
     if strategy.startswith("pp:") and backend == "tpu":  # GPipe over stage
         return gpt_tpu_cost.pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes, backend)
     if strategy not in _STATE_DEGREE:
@@ -221,11 +223,13 @@ def blocks_per_layer(cfg: Any) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def cached_comms(
-    family: str, cfg: Any, mesh: tuple[tuple[str, int], ...], global_batch: int, seq_len: int, nbytes: int, backend: str
-) -> tuple[Comm, ...]:
+    family: str, cfg: Any, mesh: tuple[tuple[str, int], ...], global_batch: int, seq_len: int, nbytes: int,
+    backend: str, fused_attention: bool = False,
+) -> tuple[Comm, ...]:  # fmt: skip
     """`strategy_comms` memoised (the GSPMD step's for tp3d): `sk.plan` asks once per remat policy it tries, and
     the collectives do not depend on the policy (a recomputed forward's collectives are not modelled)."""
-    return tuple(strategy_comms(family, cfg, dict(mesh), global_batch, seq_len, nbytes, backend, family == "tp3d"))
+    return tuple(strategy_comms(family, cfg, dict(mesh), global_batch, seq_len, nbytes, backend, family == "tp3d",
+                                fused_attention))  # fmt: skip
 
 
 def num_params(cfg: Any) -> int:
@@ -239,7 +243,7 @@ def num_params(cfg: Any) -> int:
 
 def activation_bytes(
     cfg: Any, tokens: int, seq_len: int, embed_split: int, head_split: int, nbytes: int = 2, backend: str = "cpu",
-    scores: bool = True,
+    scores: bool = True, fused: bool = False,
 ) -> float:  # fmt: skip
     """Saved activations of one block for `tokens` tokens on one device, our layer (no dropout, SwiGLU, GQA, RoPE).
 
@@ -254,12 +258,12 @@ def activation_bytes(
     (33 values of e at 2 bytes).
 
     `backend="tpu"`: `gpt_tpu_cost.block_bytes` (bf16 matmul operands, no exp kept; `scores=False`: the ring
-    kernel's residuals, no [s, s] term).
+    kernel's residuals, no [s, s] term; `fused`: splash's residuals).
     """
     c = _cfg(cfg)
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
     if backend == "tpu":  # as the TPU program's layer loop carries them (models/gpt_tpu_cost.py)
-        return gpt_tpu_cost.block_bytes(c, tokens, seq_len, embed_split, head_split, nbytes, scores)
+        return gpt_tpu_cost.block_bytes(c, tokens, seq_len, embed_split, head_split, nbytes, scores, fused)
     values = 5 * e / embed_split + ((n + 2 * k) * hd + n * hd + 6 * f) / head_split
     scores = (4 + 4 + nbytes + 1) * n * seq_len / head_split
     return tokens * (values * nbytes + scores + 2 * hd * 4)
@@ -282,7 +286,7 @@ def _state(psi: float, nbytes: int, acts: float, optimizer_split: int = 1) -> di
 
 def memory(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    remat: str | None = None, backend: str = "cpu",
+    remat: str | None = None, backend: str = "cpu", fused_attention: bool = False,
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device: params, grads, optimizer (ZeRO formulas), activations (all layers + fp32 logits).
 
@@ -299,6 +303,9 @@ def memory(
     Not itemised (the misses, experiments/bench/results/bench_targets.json): the backward's working set where the
     TPU program keeps it in HBM (tp3d: one block's worth; dp: about 100 MiB), the ring kernel's mask tiles and
     its backward's buffers (cp).
+    `fused_attention` (TPU: the attention block kernel is splash or flash, shardkit/attention/blocks.py): the block
+    keeps the kernel's residuals as the ring does (`scores=False`) and the backward's working set is the kernel's,
+    on chip.
     """
     c = _cfg(cfg)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
@@ -324,10 +331,13 @@ def memory(
     psi = num_params(cfg) / state_deg
     tokens = global_batch / batch_deg * seq_len
     remat = remat or _default_remat(cfg)
-    block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes, "tpu" if tpu else "cpu")
+    fused = tpu and fused_attention
+    block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes, "tpu" if tpu else "cpu",
+                             fused=fused)  # fmt: skip
     acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, embed_split, head_split, nbytes, block)
     if tpu:  # the backward's working set on chip (unless too large); the bf16 copy of the unsplit block weights
-        acts -= 0.0 if gpt_tpu_cost.working_set_in_hbm(c["num_heads"], tokens, seq_len, head_split, nbytes) else block
+        in_hbm = not fused and gpt_tpu_cost.working_set_in_hbm(c["num_heads"], tokens, seq_len, head_split, nbytes)
+        acts -= 0.0 if in_hbm else block
         gathered = strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp")
         acts += 0.0 if gathered else c["num_layers"] * blocks_per_layer(cfg) / state_deg * min(nbytes, 2)
     acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax

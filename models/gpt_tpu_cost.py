@@ -60,16 +60,24 @@ def zero3_comms(b: CommBuilder, c: dict[str, int], blk: int, t: int, f: int, nby
 
 
 def cp_comms(
-    c: dict[str, int], psi: int, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int, backend: str
+    c: dict[str, int],
+    psi: int,
+    mesh: dict[str, int],
+    global_batch: int,
+    seq_len: int,
+    nbytes: int,
+    backend: str,
+    kv_bytes: int = 2,
 ) -> list[Comm]:
     """Context parallelism (the ring kernel over `seq`, the batch over `data`): per layer the K and V blocks around
-    the ring, forward and again backward (4 (N - 1) bf16 transfers), dK and dV home (2 N at `nbytes`); all `psi`
+    the ring, forward and again backward (4 (N - 1) transfers at `kv_bytes`: bf16 for the XLA scan, whose dots the
+    TPU compiler feeds bf16, the inputs' own for a fused kernel), dK and dV home (2 N at `nbytes`); all `psi`
     parameters' gradients all-reduced over (data, seq) at once."""
     d, n = mesh.get("data", 1), mesh.get("seq", 1)
     b = CommBuilder(mesh, ("seq", "data"), backend)
     block = global_batch / d * c["num_kv_heads"] * seq_len / n * c["head_dim"]  # one device's K (or V) block
-    L, lo = c["num_layers"], min(nbytes, 2)
-    b.add("collective-permute", "seq", L * 4 * (n - 1) * block * lo, L * 4 * (n - 1), "K, V around the ring (bf16)")
+    L = c["num_layers"]
+    b.add("collective-permute", "seq", L * 4 * (n - 1) * block * kv_bytes, L * 4 * (n - 1), "K, V around the ring")
     b.add("collective-permute", "seq", L * 2 * n * block * nbytes, L * 2 * n, "dK, dV home")
     b.add("all-reduce", "data,seq", psi * nbytes, 1, "gradients over (data, seq)")
     return b.comms()
@@ -89,7 +97,14 @@ def pp_comms(
 
 
 def block_bytes(
-    c: dict[str, int], tokens: float, seq_len: int, es: int, hs: int, nbytes: int, scores: bool = True
+    c: dict[str, int],
+    tokens: float,
+    seq_len: int,
+    es: int,
+    hs: int,
+    nbytes: int,
+    scores: bool = True,
+    fused: bool = False,
 ) -> float:
     """One block's residuals as the TPU program's layer scan carries them from the forward to the backward (the
     residual stacks [L, ...] in the forward loop's tuple, read in `compiled.as_text()`; GPT 4 x 512 fp32, seq 1024 on
@@ -100,11 +115,16 @@ def block_bytes(
     and the probabilities at `lo` (6 bytes, not 13: the exp is not kept, the causal mask is one [s, s] buffer on
     chip), no RoPE tables (on chip). `scores=False` (the ring kernel, cp_*; its forward loop's tuple, same GPT on
     data=2, seq=4): no [s, s] term, q and the attention output at `nbytes` (the kernel's own residuals; k and v at
-    `lo`), the log-sum-exp (4 bytes per head) on chip."""
+    `lo`), the log-sum-exp (4 bytes per head) on chip. `fused` (dense attention by splash, blocks.py; fsdp, GPT
+    2 x 256 fp32, seq 1024, read from the layer loop's tuple to the byte): splash's residuals, q, k, v and its
+    output at `nbytes` in the kernel's layout, the output again at `lo` (the output projection's operand), the lse
+    (4 bytes a head) on chip."""
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
     lo = min(nbytes, 2)
     kept = (4 * e / es + 5 * f / hs) * nbytes + (2 * e / es + f / hs) * lo
-    if scores:  # q, k, v, attention output as bf16 operands; scores fp32 + probabilities bf16
+    if fused:  # splash's residuals: q, k, v, o at nbytes; o at lo for the output projection
+        attn = (2 * (n + k) * hd * nbytes + n * hd * lo) / hs
+    elif scores:  # q, k, v, attention output as bf16 operands; scores fp32 + probabilities bf16
         attn = ((n + 2 * k) * hd + n * hd) / hs * lo + (nbytes + lo) * n * seq_len / hs
     else:  # the ring kernel: q and its output at nbytes, k and v at lo
         attn = (2 * n * hd * nbytes + 2 * k * hd * lo) / hs

@@ -311,6 +311,17 @@ def matmul_flops(compiled_or_hlo_text: Any) -> int:
     return sum(m * sum(_dot_flops(ins, types) for ins in mod.comps[c]) for c, (m, _) in _multipliers(mod).items() if m)
 
 
+def kernel_calls(compiled_or_hlo_text: Any, target: str = "tpu_custom_call") -> list[tuple[str, int]]:
+    """(computation, executions per step) of each custom call to `target` in a compiled step: where the fused kernels
+    run ("tpu_custom_call": Mosaic, Pallas's TPU kernels) and how often, loop trip counts included (a kernel inside the
+    ring's loop runs once per ring step)."""
+    src = compiled_or_hlo_text
+    mod = _parse_module(src if isinstance(src, str) else src.as_text())
+    mult = _multipliers(mod)
+    return [(cname, mult.get(cname, (0, False))[0]) for cname, instrs in mod.comps.items() for ins in instrs
+            if ins.opcode == "custom-call" and f'custom_call_target="{target}"' in ins.attrs]  # fmt: skip
+
+
 def summarize(colls: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
     """(kind, axes) -> {"count": occurrences per step, "bytes_sent": per-device bytes per step}."""
     out: dict = collections.defaultdict(lambda: {"count": 0, "bytes_sent": 0.0})

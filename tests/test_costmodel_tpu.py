@@ -20,9 +20,14 @@ the TPU compiler keeps in HBM besides them). Misses (tp and ep measured at this 
   layer's scores are 64 MiB, where fsdp's stays on chip; not itemised (dp at the bench shape: the same 89 MiB).
 - ep: temporaries 27% above (1238 vs 977 MiB; 9.5% at the bench shape): the MoE backward's working set (the
   experts' [E_l, G, C, f] fp32 gradients, 40 MiB each here) is in HBM; not itemised.
-- cp_zigzag (asserted as what is true): temporaries 94% above (521 vs 269 MiB; 38% at the bench shape): the ring
-  kernel's mask and bias tiles per ring step (80 MiB at the bench shape, shared by the layers) and its backward's
-  buffers; not itemised.
+- Attention here is Pallas's splash kernel (a TPU's default block kernel, shardkit/attention/blocks.py; seq 1024
+  suits it). Its residuals are itemised (q, k, v, output at the model's dtype, read from the layer loop's tuple), but
+  the TPU compiler then keeps two more copies of the bf16 [L, tokens, mlp] stacks for its async slicing of the layer
+  loop (2 x 24 MiB under fsdp), which it does not under the XLA attention; not itemised. fsdp 14% above (309.0 vs
+  270.3 MiB), fsdp_tp 22% (377.2 vs 309.1). With attention_block=xla both were within 10% (stop 38).
+- cp_zigzag (asserted as what is true): temporaries 82% above under splash (489 vs 269 MiB; 94% under the XLA
+  scan, 521 MiB): the ring's per-step buffers and its backward's; not itemised. Its collectives are exact (K and V
+  travel in the model's dtype into splash; the scan's dots took them in bf16).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ CASES = {
     "pp": ("stage=4", "v5e-4"),  # one layer a stage: the 4-layer GPT
 }
 #: compiled / predicted temporaries where the 10% does not hold (module docstring): the measured ratio's band
-TEMP_MISS = {"cp_zigzag": (1.6, 2.2)}
+TEMP_MISS = {"cp_zigzag": (1.6, 2.2), "fsdp": (1.05, 1.25), "fsdp_tp": (1.1, 1.35)}
 
 
 def _report(strategy: str) -> Report:

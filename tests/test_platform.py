@@ -54,13 +54,15 @@ def lowered(cfg: GPTConfig, strategy: object, mesh: jax.sharding.Mesh, batch: in
 
 
 def test_ring_chunk_is_chosen_for_the_mesh_devices(monkeypatch):
+    """The XLA scan's chunk (a TPU's default block kernel here would be splash: the scan is asked for)."""
+    scan = sk.strategy("cp_ring").replace(kernels={**sk.strategy("cp_ring").kernels, "attention_block": "xla"})
     chunks: list[int] = []
     resolve = ring.resolve_chunk
     monkeypatch.setattr(ring, "resolve_chunk", lambda *a: chunks.append(resolve(*a)) or chunks[-1])
     got = {}
     for platform in ("cpu", "tpu"):
         chunks.clear()
-        text = lowered(RING, "cp_ring", mesh_for("data=4,seq=2", platform), 4, 1024).compile().as_text()
+        text = lowered(RING, scan, mesh_for("data=4,seq=2", platform), 4, 1024).compile().as_text()
         tiles = {int(n) for n in re.findall(r"\[[0-9,]*?,(128|256|512),\1\]", text)}  # [.., chunk, chunk] scores
         got[platform] = set(chunks), tiles
     assert got == {"cpu": ({128}, {128}), "tpu": ({512}, {512})}, got

@@ -59,6 +59,13 @@ def resolve(
     if name not in BLOCK_KERNELS:
         raise ShardkitError(f"{what}: attention_block={name!r} is not one of {', '.join(BLOCK_KERNELS)}")
     gpu = platform in GPU_PLATFORMS
+    if inside_shard_map():
+        if name in ("auto", "xla"):
+            return "xla"
+        raise ShardkitError(
+            f"{what}: attention_block={name} inside a step that is already a shard_map (a pipeline's stages, sdp, "
+            "hetero): a fused kernel there loses the stage's varying axes in its backward; use attention_block=xla"
+        )
     if name == "auto":
         if platform == "tpu" and _fits_splash(lengths):
             return "splash"
@@ -99,6 +106,37 @@ def resolve(
                 f"{', segment ids' if segment_ids else ''}); use attention_block=xla"
             )
     return name
+
+
+def inside_shard_map() -> bool:
+    """Whether the code being traced is inside a `shard_map` (manual mesh axes): a pipeline's stage, sdp, hetero."""
+    axis_types = getattr(jax.sharding.get_abstract_mesh(), "axis_types", ()) or ()
+    return any(t == jax.sharding.AxisType.Manual for t in axis_types)
+
+
+def planned(strategy: Any, mesh: Any, seq_len: int, platform: str) -> str:
+    """The block kernel `strategy`'s attention runs on `platform` devices for sequences of `seq_len` tokens on a mesh
+    of shape `mesh` ({axis: size}), resolved as the kernels resolve it when traced: what `explain` names and the
+    cost models assume (packed documents and the inputs' dtype aside: they change only cudnn's choice on GPUs)."""
+    from shardkit.strategies import strategy as get_strategy
+
+    st = get_strategy(strategy)
+    name, attention = st.kernels.get("attention_block", "auto"), st.kernels.get("attention", "dense")
+    if st.kernels.get("layers", "scan") != "scan" or st.traits().step != "gspmd":
+        return "xla" if name == "auto" else name  # the layers run inside a shard_map (`inside_shard_map`)
+    ring, lengths = False, (seq_len,)
+    kind, _, option = attention.partition(":")
+    layout = option.partition(":")[0] or "contiguous"
+    if kind in ("ring", "usp"):
+        n = mesh.get("seq" if kind == "ring" else "seq_r", 1)
+        c = seq_len // max(n, 1)
+        ring, lengths = n > 1, ((c, c // 2) if layout == "zigzag" and n > 1 else (c,))
+    elif kind == "dense" and name == "auto" and any(mesh.get(a, 1) > 1 for a in st.compute_rules.get("seq") or ()):
+        return "xla"  # dense attention over a sharded sequence stays under GSPMD
+    try:
+        return resolve(name, platform, lengths=lengths, ring=ring, dtype=jnp.float32, segment_ids=False, what="")
+    except ShardkitError:
+        return name  # an explicit kernel that cannot run here: the step itself refuses it, with the reason
 
 
 def named() -> str:
