@@ -20,6 +20,7 @@ silent), temporaries by the per-device token ratio. Scaled figures are labelled 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -300,6 +301,13 @@ def explain(
                      "the cost model's CPU backend predicts the same")  # fmt: skip
     if getattr(step, "microbatches", 1) > 1:
         notes.append(f"{step.microbatches} microbatches: predictions assume none (one gradient reduction per step)")
+    fused = collections.Counter()
+    for name, n in hlo.kernel_calls(compiled) if platform == "tpu" else ():
+        fused[name] += n
+    if fused:
+        notes.append("Mosaic kernels per step (Pallas, e.g. attention_block=splash): "
+                     + ", ".join(f"{k} x{n}" for k, n in sorted(fused.items()))
+                     + "; their FLOPs are inside the kernels, not among the HLO's dots")  # fmt: skip
     own = getattr(step, "predict_costs", None)  # a step that knows its own collectives (SDP's holder averaging)
     pred = own(state, backend) if own else predict(step.strategy, cfg, sizes, shapes, nbytes, backend)
     if pred is None:

@@ -312,14 +312,15 @@ def matmul_flops(compiled_or_hlo_text: Any) -> int:
 
 
 def kernel_calls(compiled_or_hlo_text: Any, target: str = "tpu_custom_call") -> list[tuple[str, int]]:
-    """(computation, executions per step) of each custom call to `target` in a compiled step: where the fused kernels
-    run ("tpu_custom_call": Mosaic, Pallas's TPU kernels) and how often, loop trip counts included (a kernel inside the
-    ring's loop runs once per ring step)."""
+    """(kernel, executions per step) of each custom call to `target` in a compiled step: which fused kernels run
+    ("tpu_custom_call": Mosaic, Pallas's TPU kernels, named after the kernel, e.g. `splash_mqa_fwd_residuals`) and how
+    often, loop trip counts included (a kernel inside the ring's loop runs once per ring step; each branch of a
+    conditional counts as run). Their FLOPs are inside the kernels: `matmul_flops` does not see them."""
     src = compiled_or_hlo_text
     mod = _parse_module(src if isinstance(src, str) else src.as_text())
     mult = _multipliers(mod)
-    return [(cname, mult.get(cname, (0, False))[0]) for cname, instrs in mod.comps.items() for ins in instrs
-            if ins.opcode == "custom-call" and f'custom_call_target="{target}"' in ins.attrs]  # fmt: skip
+    return [(re.sub(r"\.\d+$", "", ins.name), mult.get(cname, (0, False))[0]) for cname, instrs in mod.comps.items()
+            for ins in instrs if ins.opcode == "custom-call" and f'custom_call_target="{target}"' in ins.attrs]  # fmt: skip
 
 
 def summarize(colls: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
