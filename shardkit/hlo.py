@@ -319,8 +319,9 @@ def kernel_calls(compiled_or_hlo_text: Any, target: str = "tpu_custom_call") -> 
     src = compiled_or_hlo_text
     mod = _parse_module(src if isinstance(src, str) else src.as_text())
     mult = _multipliers(mod)
-    return [(re.sub(r"\.\d+$", "", ins.name), mult.get(cname, (0, False))[0]) for cname, instrs in mod.comps.items()
-            for ins in instrs if ins.opcode == "custom-call" and f'custom_call_target="{target}"' in ins.attrs]  # fmt: skip
+    mosaic = lambda ins: ins.opcode == "custom-call" and f'custom_call_target="{target}"' in ins.attrs
+    return [(re.sub(r"\.\d+$", "", ins.name), mult.get(cname, (0, False))[0])
+            for cname, instrs in mod.comps.items() for ins in instrs if mosaic(ins)]  # fmt: skip
 
 
 def summarize(colls: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:

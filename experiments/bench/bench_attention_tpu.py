@@ -5,10 +5,11 @@ compiler on this machine (no TPU needed; libtpu from the dev extras).
         [--out experiments/bench/results/bench_attention_tpu.json]
 
 For a one-layer GPT (d_model 256, 8 heads of 32, batch 1 a ring, bf16 compute, fp32 parameters) under each strategy
-on the target's 8 chips, the train step is compiled twice, `attention_block=xla` and `=splash`, and read back: temporaries and peak
-(`memory_analysis()`), the Mosaic kernel calls per step (`hlo.kernel_calls`) and the collective bytes per device
-(`hlo.collectives`). Prints splash / xla for each; writes JSON. A program the TPU compiler refuses (out of HBM: dense
-attention's [s, s] scores at 32k) is recorded with the compiler's reason. Nothing here is a time: no chip ran.
+on the target's 8 chips, the train step is compiled twice, `attention_block=xla` and `=splash`, and read back:
+temporaries and peak (`memory_analysis()`), the Mosaic kernel calls per step (`hlo.kernel_calls`) and the collective
+bytes per device (`hlo.collectives`). Prints splash / xla for each; writes JSON. A program the TPU compiler refuses
+(out of HBM: dense attention's [s, s] scores at 32k) is recorded with the compiler's reason. Nothing here is a time:
+no chip ran.
 """
 
 from __future__ import annotations
