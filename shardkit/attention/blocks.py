@@ -108,6 +108,13 @@ def resolve(
     return name
 
 
+def unmapped_axes(rules: Any, mesh: Any) -> list[str]:
+    """Mesh axes of size > 1 (`mesh`: {axis: size}) that shard neither the batch nor the heads under `rules`: a
+    `shard_map` over batch and heads leaves them unmentioned, and its backward all-reduces over them."""
+    used = {a for name in ("batch", "heads") for a in (rules.get(name) or ())}
+    return [a for a, n in mesh.items() if n > 1 and a not in used]
+
+
 def inside_shard_map() -> bool:
     """Whether the code being traced is inside a `shard_map` (manual mesh axes): a pipeline's stage, sdp, hetero."""
     axis_types = getattr(jax.sharding.get_abstract_mesh(), "axis_types", ()) or ()
@@ -131,8 +138,10 @@ def planned(strategy: Any, mesh: Any, seq_len: int, platform: str) -> str:
         n = mesh.get("seq" if kind == "ring" else "seq_r", 1)
         c = seq_len // max(n, 1)
         ring, lengths = n > 1, ((c, c // 2) if layout == "zigzag" and n > 1 else (c,))
-    elif kind == "dense" and name == "auto" and any(mesh.get(a, 1) > 1 for a in st.compute_rules.get("seq") or ()):
-        return "xla"  # dense attention over a sharded sequence stays under GSPMD
+    elif kind == "dense" and name == "auto":
+        rules = {k: tuple(a for a in (v or ()) if a in mesh) for k, v in st.compute_rules.items()}
+        if any(mesh.get(a, 1) > 1 for a in rules.get("seq", ())) or unmapped_axes(rules, mesh):
+            return "xla"  # dense attention over a sharded sequence, or an axis its shard_map would not map
     try:
         return resolve(name, platform, lengths=lengths, ring=ring, dtype=jnp.float32, segment_ids=False, what="")
     except ShardkitError:
