@@ -123,8 +123,10 @@ class GPTConfig:
             batch, seq = next(iter(batch_shapes.values()))[:2]
             remat = self.remat_policy(strategy)
             comms = gpt_moe_cost.comms(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
-            memory = gpt_moe_cost.memory(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
-            return comms, memory, f"models/gpt_moe_cost.py ({name}, backend {backend})"
+            block = sk.attention.blocks.planned(strategy, mesh, seq, backend)
+            memory = gpt_moe_cost.memory(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend,
+                                         fused_attention=block in ("splash", "flash"))  # fmt: skip
+            return comms, memory, f"models/gpt_moe_cost.py ({name}, backend {backend}, attention {block})"
         sdp = gpt_cost.sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
             batch, seq = next(iter(batch_shapes.values()))[:2]

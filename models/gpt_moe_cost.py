@@ -112,7 +112,7 @@ def divisibility(cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: in
 
 def memory(
     cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    remat: str | None = None, backend: str = "cpu",
+    remat: str | None = None, backend: str = "cpu", fused_attention: bool = False,
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device under an ep-family strategy: the experts' weights over their axes (and each expert's mlp
     split), the rest replicated or over the gathered axes (ZeRO's 16 bytes per parameter in mixed precision).
@@ -147,7 +147,8 @@ def memory(
     tpu, lo = backend == "tpu", min(nbytes, 2)
     if tpu:  # the dispatched tokens as the experts' bf16 operands; the masks in fp32 and as the einsums' bf16 operands
         dispatched, masks = dispatched * lo / nbytes, masks * (4 + lo) / 4
-    dense = activation_bytes(active, tokens, seq_len, 1, 1, nbytes, "tpu" if tpu else "cpu")
+    fused = tpu and fused_attention  # splash's residuals, its working set on chip (gpt_cost.memory)
+    dense = activation_bytes(active, tokens, seq_len, 1, 1, nbytes, "tpu" if tpu else "cpu", fused=fused)
     block = dense + dispatched + masks
     base, names = remat.partition(":")[0], remat_names(remat)
     hidden = tokens * active.mlp_dim * nbytes  # one [tokens, k f] tensor of the active experts
@@ -157,7 +158,7 @@ def memory(
     acts = gpt_remat_cost.saved_bytes(active, remat, tokens, seq_len, 1, 1, nbytes, block)
     if tpu:  # the backward's working set on chip; the bf16 copy of the block weights (gpt_cost.memory)
         tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-        on_chip = not gpt_tpu_cost.working_set_in_hbm(cfg.num_heads, tokens, seq_len, 1, nbytes)
+        on_chip = fused or not gpt_tpu_cost.working_set_in_hbm(cfg.num_heads, tokens, seq_len, 1, nbytes)
         acts += (psi - tables / f) * lo - (block if on_chip else 0.0)
     acts += cfg.num_layers * moe.get(base, 0.0) + tokens * cfg.vocab_size * 4 * 2  # + fp32 logits and softmax
     mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}

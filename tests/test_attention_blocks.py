@@ -12,6 +12,7 @@ Shapes: splash's key tile is a multiple of 128 (Mosaic's lane width), so a zigza
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,19 @@ def test_ring_over_splash_matches_dense(layout, data):
                                                    segment_ids=lay(s), block="splash")), data)  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_over_pallas_gpu_matches_dense(layout, data):
+    """Pallas's GPU (Triton) kernel in interpret mode: its lse is base 2, its backward takes the merged lse and output;
+    no segment ids inside a ring (its kernel takes one array for queries and keys), so none here."""
+    mesh = sk.make_mesh("seq=2", jax.devices()[:2])
+    q, k, v, w, _, _ = data
+    ref = jax.value_and_grad(lambda q, k, v: (dense_attention(q, k, v) * w).sum(), (0, 1, 2))(q, k, v)
+    lay = lambda x: to_layout(x, layout, mesh)
+    unlay = lambda x: sk.attention.from_layout(x, layout, mesh)
+    _check(lambda q, k, v, s: unlay(ring_attention(lay(q), lay(k), lay(v), mesh=mesh, layout=layout,
+                                                   block="pallas_gpu")), (q, k, v, w, None, ref))  # fmt: skip
+
+
 def test_ulysses_and_usp_over_splash_match_dense(data):
     mesh = sk.make_mesh("seq=2", jax.devices()[:2])
     _check(lambda q, k, v, s: ulysses_attention(q, k, v, mesh=mesh, segment_ids=s, block="splash"), data)
@@ -73,9 +87,12 @@ def test_ulysses_and_usp_over_splash_match_dense(data):
                                                   segment_ids=lay(s), block="splash")), data)  # fmt: skip
 
 
-def test_flash_local_attention_matches_dense(data):
-    """flash on one device (its kernel takes no interpret flag: Pallas's TPU interpreter runs it)."""
+def test_flash_and_pallas_gpu_local_attention_match_dense(data):
+    """flash on one device (its kernel takes no interpret flag: Pallas's TPU interpreter runs it); pallas_gpu as
+    Ulysses' local attention (segment ids: one array serves queries and keys there)."""
     _check(lambda q, k, v, s: blocks.local_attention("flash", q, k, v, s, True, "cpu"), data)
+    mesh = sk.make_mesh("seq=2", jax.devices()[:2])
+    _check(lambda q, k, v, s: ulysses_attention(q, k, v, mesh=mesh, segment_ids=s, block="pallas_gpu"), data)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -109,6 +126,16 @@ def test_a_kernel_that_cannot_run_is_refused_with_the_reason():
         ulysses_attention(jnp.zeros((1, 256, 4, 16)), *[jnp.zeros((1, 256, 4, 16))] * 2, mesh=mesh, block="flash")
     with pytest.raises(sk.ShardkitError, match="not one of"):
         ring_attention(q, q, q, mesh=mesh, block="splsh")
+    q2 = jnp.zeros((1, 512, 4, 16))
+    with pytest.raises(sk.ShardkitError, match="strictly causal"):
+        ring_attention(q2, q2, q2, mesh=mesh, layout="striped", block="pallas_gpu")
+    with pytest.raises(sk.ShardkitError, match="packed documents"):
+        ring_attention(q2, q2, q2, mesh=mesh, segment_ids=jnp.zeros((1, 512), jnp.int32), block="pallas_gpu")
+    gpu = functools.partial(blocks.resolve, None, "gpu", dtype=jnp.bfloat16, what="")
+    assert gpu(lengths=(256,), ring=True, segment_ids=False) == "pallas_gpu"
+    assert gpu(lengths=(256,), ring=True, segment_ids=True) == "xla"  # auto falls back where the kernel cannot run
+    assert gpu(lengths=(256,), ring=True, segment_ids=False, strict=True) == "xla"
+    assert gpu(lengths=(4096,), ring=False, segment_ids=False) == "cudnn"
     # auto: xla on CPU devices, splash on TPU ones where the blocks suit it
     assert blocks.resolve(None, "cpu", lengths=(256,), ring=True, dtype=jnp.float32, segment_ids=True, what="") == "xla"
     assert blocks.resolve(None, "tpu", lengths=(256, 128), ring=True, dtype=jnp.float32, segment_ids=True,

@@ -10,11 +10,16 @@ Every attention kernel of this package ends in the same work: a block of queries
              backward kernel with the *merged* lse and output (ring_fused.py). On a mesh of CPU devices it runs in
              Pallas's interpret mode (parity tests; slow), on GPUs it is refused.
     flash    Pallas's TPU flash attention (Mosaic): dense and Ulysses' local attention only (it returns no lse a
-             ring could merge by); plain causal masks and segment ids. CPU: the TPU interpreter.
+             ring could merge by); plain causal masks and segment ids. CPU: the TPU interpreter, one device.
+    pallas_gpu  Pallas's GPU attention (Triton; `jax.experimental.pallas.ops.gpu.attention`), which returns its lse:
+             the ring's blocks on GPUs as splash's on TPUs (contiguous and zigzag; striped's strictly causal
+             block and packed documents inside the ring are refused: its kernel takes neither), and local attention.
+             CPU devices: Pallas's interpret mode.
     cudnn    cuDNN's fused attention through `jax.nn.dot_product_attention` (NVIDIA GPUs, bf16/fp16, no segment
              ids): dense and Ulysses' local attention only.
     auto     (the default) chosen from the mesh's devices (`rules.compile_platform`): splash on TPU where the block
-             lengths are multiples of 128, cudnn on GPU for local attention where it can run, else xla.
+             lengths are multiples of 128; on GPU pallas_gpu for the ring (where it can run) and cudnn for local
+             attention (bf16, no segment ids); else xla.
 
 An explicit choice that cannot run (a ring block under `flash`, segment ids under `cudnn`, a block of 96 tokens under
 `splash`) is refused with the reason; only `auto` falls back, and `explain` names what it chose.
@@ -33,9 +38,11 @@ import numpy as np
 from shardkit import kernels
 from shardkit.errors import ShardkitError
 
-BLOCK_KERNELS = ("auto", "xla", "splash", "flash", "cudnn")
+BLOCK_KERNELS = ("auto", "xla", "splash", "flash", "pallas_gpu", "cudnn")
 #: the kernels that return a block's log-sum-exp (a ring can merge their blocks)
-MERGEABLE = ("xla", "splash")
+MERGEABLE = ("xla", "splash", "pallas_gpu")
+#: the Pallas kernels written for TPUs (Mosaic) and for GPUs (Triton)
+TPU_KERNELS, GPU_KERNELS = ("splash", "flash"), ("pallas_gpu",)
 #: Mosaic's lane width: splash's key block (and so every block length it takes) is a multiple of it
 LANES = 128
 #: the largest splash block (MaxText's `sa_block_q` = `sa_block_kv` = 512)
@@ -49,12 +56,13 @@ def _fits_splash(lengths: tuple[int, ...]) -> bool:
 
 def resolve(
     name: str | None, platform: str, *, lengths: tuple[int, ...], ring: bool, dtype: Any, segment_ids: bool,
-    what: str, devices: int = 1,
+    what: str, devices: int = 1, strict: bool = False,
 ) -> str:  # fmt: skip
     """The block kernel that runs: `name` checked (ShardkitError naming why it cannot), or `auto`'s choice.
 
     `lengths`: the query/key block lengths the kernel sees; `ring`: blocks are merged by their lse (a ring of more
-    than one rank); `dtype`: the inputs'; `segment_ids`: packed documents are given; `devices`: in the mesh."""
+    than one rank); `dtype`: the inputs'; `segment_ids`: packed documents are given; `devices`: in the mesh;
+    `strict`: a block needs a strictly causal mask (the striped ring)."""
     name = name or "auto"
     if name not in BLOCK_KERNELS:
         raise ShardkitError(f"{what}: attention_block={name!r} is not one of {', '.join(BLOCK_KERNELS)}")
@@ -69,6 +77,8 @@ def resolve(
     if name == "auto":
         if platform == "tpu" and _fits_splash(lengths):
             return "splash"
+        if gpu and ring and _fits_splash(lengths) and not segment_ids and not strict:
+            return "pallas_gpu"
         if gpu and not ring and jnp.dtype(dtype).name in ("bfloat16", "float16") and not segment_ids:
             return "cudnn"
         return "xla"
@@ -77,7 +87,23 @@ def resolve(
             f"{what}: attention_block={name} returns no log-sum-exp, which the ring merges its blocks by; use "
             f"attention_block=splash (TPU) or xla for ring attention (cp_ring, cp_zigzag, cp_striped, cp_usp)"
         )
-    if name in ("splash", "flash"):
+    if name in GPU_KERNELS:
+        if platform == "tpu":
+            raise ShardkitError(f"{what}: attention_block={name} is a Triton GPU kernel; on TPUs use splash or xla")
+        if ring and (segment_ids or strict):
+            cannot = ("packed documents: its kernel takes one segment-id array for queries and keys, and a ring "
+                      "block's keys come from another rank") if segment_ids else (
+                      "the striped layout's strictly causal block (k < q)")  # fmt: skip
+            raise ShardkitError(
+                f"{what}: attention_block={name} inside a ring cannot take {cannot}; use attention_block=xla there "
+                "(or cp_zigzag, whose blocks it takes)"
+            )
+        if not _fits_splash(lengths):
+            raise ShardkitError(
+                f"{what}: attention_block={name} takes blocks whose lengths are multiples of {LANES}; these are "
+                f"{lengths} tokens: use a longer sequence or attention_block=xla"
+            )
+    if name in TPU_KERNELS:
         if gpu:
             raise ShardkitError(
                 f"{what}: attention_block={name} is a Mosaic TPU kernel and this program is compiled for {platform!r} "
@@ -153,9 +179,10 @@ def named() -> str:
     return kernels.active("attention_block")[1]
 
 
-def interpreting(platform: str) -> bool:
-    """Whether a Mosaic kernel runs in Pallas's interpreter: it is compiled for devices that are not TPUs."""
-    return platform != "tpu"
+def interpreting(platform: str, kernel: str = "splash") -> bool:
+    """Whether a Pallas kernel runs in Pallas's interpreter: it is compiled for devices it was not written for (a
+    Mosaic kernel off TPU, a Triton kernel off GPU)."""
+    return platform not in GPU_PLATFORMS if kernel in GPU_KERNELS else platform != "tpu"
 
 
 def block_size(length: int, interpret: bool) -> int:
@@ -230,6 +257,66 @@ def splash_backward(mask: str, q, k, v, qseg, kseg, o, lse, do, interpret: bool)
     return _per_kv_head(one, q, k, v, qseg, kseg, o, lse, do)
 
 
+# ---- pallas_gpu: the same block pair by Pallas's GPU (Triton) kernel, [b, l, heads, d] with kv heads repeated ----
+
+
+def _gpu_sizes(lq: int, lk: int) -> Any:
+    """Forward tiles of 128; the fused backward needs as many query tiles (dq) as key tiles (dk, dv): n = min / 32."""
+    from jax.experimental.pallas.ops.gpu import attention as ga
+
+    n = max(1, min(lq, lk) // 32)
+    return ga.BlockSizes(block_q=min(128, lq), block_k=min(128, lk), block_q_dkv=min(32, lq), block_kv_dkv=lk // n,
+                         block_q_dq=lq // n, block_kv_dq=min(32, lk))  # fmt: skip
+
+
+def _to_gpu(q: jax.Array, k: jax.Array) -> tuple[jax.Array, Any]:
+    """q [b, kv, g, l, d] -> [b, l, kv g, d]; k [b, kv, l, d] -> [b, l, kv g, d] (each kv head repeated g times)."""
+    b, kv, g, lq, d = q.shape
+    rep = lambda x: jnp.moveaxis(jnp.repeat(x, g, axis=1), 1, 2)
+    return jnp.moveaxis(q.reshape(b, kv * g, lq, d), 1, 2), rep
+
+
+def gpu_forward(mask: str, q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> tuple:
+    """`splash_forward`'s contract by Pallas's GPU kernel (no segment ids, no strict mask: `resolve` refused them)."""
+    from jax.experimental.pallas.ops.gpu import attention as ga
+
+    b, kv, g, lq, d = q.shape
+    qg, rep = _to_gpu(q, k)
+    o, lse2 = ga.mha(qg, rep(k), rep(v), None, sm_scale=1.0, causal=mask == "causal", interpret=interpret,
+                     block_sizes=_gpu_sizes(lq, k.shape[2]), return_residuals=True)  # fmt: skip
+    o = jnp.moveaxis(o, 1, 2).reshape(b, kv, g, lq, d)
+    return o.astype(jnp.float32), (lse2 * np.log(2.0)).reshape(b, kv, g, lq).astype(jnp.float32)  # base 2 -> e
+
+
+def gpu_backward(mask: str, q, k, v, o, lse, do, interpret: bool) -> tuple:
+    """`splash_backward`'s contract by Pallas's GPU backward kernel, given the merged output and lse."""
+    from jax.experimental.pallas.ops.gpu import attention as ga
+
+    b, kv, g, lq, d = q.shape
+    qg, rep = _to_gpu(q, k)
+    og, dog = (_to_gpu(x.astype(q.dtype), k)[0] for x in (o, do))
+    lse2 = (lse / np.log(2.0)).reshape(b, kv * g, lq)
+    res = (qg, rep(k), rep(v), None, og, lse2)
+    dq, dk, dv, _ = ga._mha_backward(1.0, mask == "causal", _gpu_sizes(lq, k.shape[2]), "triton", None, 2, None,
+                                     interpret, False, False, res, dog)  # fmt: skip
+    back = lambda x: jnp.moveaxis(x, 1, 2).reshape(b, kv, g, *x.shape[1:2], d)  # [b, l, kv g, d] -> [b, kv, g, l, d]
+    return back(dq), back(dk).sum(2), back(dv).sum(2)
+
+
+def block_forward(kernel: str, mask: str, q, k, v, qseg, kseg, interpret: bool) -> tuple:
+    """(o fp32 [b, kv, g, lq, d], lse fp32 [b, kv, g, lq]) of one block pair by `kernel` (q already scaled)."""
+    if kernel in GPU_KERNELS:
+        return gpu_forward(mask, q, k, v, interpret)
+    return splash_forward(mask, q, k, v, qseg, kseg, interpret)
+
+
+def block_backward(kernel: str, mask: str, q, k, v, qseg, kseg, o, lse, do, interpret: bool) -> tuple:
+    """(dq, dk, dv) of one block pair by `kernel`, given the merged output and lse."""
+    if kernel in GPU_KERNELS:
+        return gpu_backward(mask, q, k, v, o, lse, do, interpret)
+    return splash_backward(mask, q, k, v, qseg, kseg, o, lse, do, interpret)
+
+
 # ---- local attention (no merge): dense attention and Ulysses' heads, each kernel with its own backward ----
 
 
@@ -275,7 +362,7 @@ def local_attention(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: An
     (splash, flash or cudnn; differentiated by the kernel's own backward). q is not scaled."""
     b, s, h, d = q.shape
     kv = k.shape[2]
-    interpret = interpreting(platform)
+    interpret = interpreting(platform, name)
     if name == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(q.dtype)
     qs = q * jnp.asarray(1.0 / np.sqrt(d), q.dtype)
@@ -285,6 +372,12 @@ def local_attention(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: An
         kh, vh = (jnp.moveaxis(x, 1, 2) for x in (k, v))  # [b, kv, s, d]
         o = _per_kv_head(lambda q, k, v, sg: kernel(q, k, v, segment_ids=sg), qh, kh, vh, seg, seg)
         return jnp.moveaxis(o, 3, 1).reshape(b, s, h, d).astype(q.dtype)
+    if name == "pallas_gpu":
+        from jax.experimental.pallas.ops.gpu import attention as ga
+
+        kg, vg = (jnp.repeat(x, h // kv, axis=2) for x in (k, v))
+        return ga.mha(qs, kg, vg, seg, sm_scale=1.0, causal=causal, interpret=interpret,
+                      block_sizes=_gpu_sizes(s, s)).astype(q.dtype)  # fmt: skip
     if name == "flash":
         from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
@@ -323,6 +416,7 @@ for _name, _what in (
     ("xla", "the chunked online-softmax scan (ring.py), plain XLA"),
     ("splash", "Pallas TPU splash attention (Mosaic), merged by its lse inside the ring"),
     ("flash", "Pallas TPU flash attention (Mosaic): dense / Ulysses local attention only"),
+    ("pallas_gpu", "Pallas GPU attention (Triton), merged by its lse inside the ring (contiguous, zigzag)"),
     ("cudnn", "cuDNN fused attention (NVIDIA GPUs, bf16): dense / Ulysses local attention only"),
 ):
     kernels.register("attention_block", _name, functools.partial(local_attention, _name), description=_what)

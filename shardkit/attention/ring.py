@@ -340,8 +340,17 @@ def ring_block(block: str | None, platform: str, c: int, layout: str, n: int, dt
     """The block kernel a ring of `n` ranks holding `c` tokens each runs (`blocks.resolve`): a zigzag pair may be
     half a block long; a ring of one is local attention (no lse merge)."""
     lengths = (c, c // 2) if layout == "zigzag" and n > 1 else (c,)
+    strict = layout == "striped" and n > 1  # a block from a later rank: keys strictly before the queries
     return blocks.resolve(
-        block, platform, lengths=lengths, ring=n > 1, dtype=dtype, segment_ids=segments, what=what, devices=devices
+        block,
+        platform,
+        lengths=lengths,
+        ring=n > 1,
+        dtype=dtype,
+        segment_ids=segments,
+        what=what,
+        devices=devices,
+        strict=strict,
     )
 
 

@@ -89,14 +89,14 @@ def _forward(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tu
     rank, _, scale = _prepare(cfg, q)
     kv, c = k.shape[2], q.shape[1]
     qh = _heads(q * jnp.asarray(scale, q.dtype), kv)
-    interpret = blocks.interpreting(cfg.platform)
+    interpret = blocks.interpreting(cfg.platform, cfg.block)
     acc = (lax.full_like(qh, 0, jnp.float32), lax.full_like(qh[..., 0], -jnp.inf, jnp.float32))
 
     def merge(acc: tuple, plan: Plan, k: jax.Array, v: jax.Array, kseg: Any) -> tuple:
         o_acc, lse_acc = acc
         qr, qs = _rows(qh, plan.rows, -2), _rows(seg, plan.rows, 1)
-        o, lse = blocks.splash_forward(plan.mask, qr, _rows(k, plan.cols, 2), _rows(v, plan.cols, 2), qs,
-                                       _rows(kseg, plan.cols, 1), interpret)  # fmt: skip
+        o, lse = blocks.block_forward(cfg.block, plan.mask, qr, _rows(k, plan.cols, 2), _rows(v, plan.cols, 2), qs,
+                                      _rows(kseg, plan.cols, 1), interpret)  # fmt: skip
         old, old_o = _rows(lse_acc, plan.rows, -1), _rows(o_acc, plan.rows, -2)
         new = jnp.logaddexp(old, lse)
         o = jnp.exp(old - new)[..., None] * old_o + jnp.exp(lse - new)[..., None] * o
@@ -130,13 +130,13 @@ def _fused_bwd(cfg: Any, res: tuple, do: jax.Array) -> tuple:
     kv, c, scale = k.shape[2], q.shape[1], 1.0 / math.sqrt(q.shape[3])
     rank = lax.axis_index(cfg.axis) if cfg.axis is not None and cfg.n > 1 else 0
     qh, oh, doh = _heads(q * jnp.asarray(scale, q.dtype), kv), _heads(o, kv), _heads(do, kv)
-    interpret = blocks.interpreting(cfg.platform)
+    interpret = blocks.interpreting(cfg.platform, cfg.block)
 
     def grads(carry: tuple, plan: Plan, k: jax.Array, v: jax.Array, kseg: Any) -> tuple:
         dq, dk, dv = carry
         r, cols = plan.rows, plan.cols
-        gq, gk, gv = blocks.splash_backward(
-            plan.mask, _rows(qh, r, -2), _rows(k, cols, 2), _rows(v, cols, 2), _rows(seg, r, 1),
+        gq, gk, gv = blocks.block_backward(
+            cfg.block, plan.mask, _rows(qh, r, -2), _rows(k, cols, 2), _rows(v, cols, 2), _rows(seg, r, 1),
             _rows(kseg, cols, 1), _rows(oh, r, -2), _rows(lse, r, -1), _rows(doh, r, -2), interpret,
         )  # fmt: skip
         f32 = lambda x: x.astype(jnp.float32)
