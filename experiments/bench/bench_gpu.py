@@ -10,8 +10,9 @@
    device memory (`memory_stats()["peak_bytes_in_use"]`, reset between runs where the backend allows).
 2. Attention alone, fwd + bwd, causal, bf16, [b=1, S, 16 heads, 128]: cuDNN's fused kernel, our dense
    (`jax.nn` XLA: [S, S] scores), and our ring kernel on one device (its chunk loop with the online softmax and
-   the causal skips, no ring) at chunks 512 / 1024 / 2048: time per call and TFLOP/s (4·S²·h·d·3.5 / 2, causal
-   half), and the max difference from cuDNN's output.
+   the causal skips, no ring) at chunks 512 / 1024 / 2048, and Pallas's GPU attention (`attention_block=pallas_gpu`,
+   what a GPU ring's blocks run): time per call and TFLOP/s (4·S²·h·d·3.5 / 2, causal half), and the max
+   difference from cuDNN's output.
 
 3. Host offload (docs/memory.md): the first model's train step (dense attention) with the optimizer state, then
    the optimizer state and the parameters in pinned_host memory (`Strategy.offload`), and with the `offload:`
@@ -111,8 +112,11 @@ def attention_kernels(seq: int, heads: int, dim: int, chunks: tuple[int, ...], r
     kernels: dict[str, Callable[..., jax.Array]] = {
         "cudnn": lambda q, k, v: sk.attention.cudnn_attention(q, k, v, causal=True),
         "dense": lambda q, k, v: sk.attention.dense_attention(q, k, v, causal=True),
-        **{f"ring@{c}": (lambda q, k, v, c=c: sk.attention.ring_attention(q, k, v, mesh=mesh, chunk=c))
+        # the XLA scan (attention_block=xla: on a GPU `auto` would pick a fused kernel for a ring of one)
+        **{f"ring@{c}": (lambda q, k, v, c=c: sk.attention.ring_attention(q, k, v, mesh=mesh, chunk=c, block="xla"))
            for c in chunks if seq % c == 0},
+        # Pallas's GPU attention (Triton), the kernel a GPU ring's blocks run (docs/context_parallel.md)
+        "pallas_gpu": lambda q, k, v: sk.attention.ring_attention(q, k, v, mesh=mesh, block="pallas_gpu"),
     }  # fmt: skip
     flops = 4 * seq * seq * heads * dim * 3.5 / 2  # fwd 2 matmuls + bwd 5, causal half
     out: dict[str, Any] = {}

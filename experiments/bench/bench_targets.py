@@ -2,7 +2,7 @@
 target compiled from this machine (no TPU needed; libtpu from the dev extras).
 
     python -m experiments.bench.bench_targets [--target v5e-8] [--strategies dp,fsdp,tp,...]
-        [--out experiments/bench/results/bench_targets.json]
+        [--attention-block auto|xla|splash] [--out experiments/bench/results/bench_targets.json]
 
 For the GPT (models/gpt.py) under each strategy on the target's 8 chips, the train step (AdamW, fp32) is compiled by
 the TPU compiler and `sk.explain` reads back its collectives (kind and mesh axis, bytes sent per device: ring
@@ -53,12 +53,14 @@ def model_for(strategy: str) -> GPTConfig:
     return dataclasses.replace(CFG, num_experts=4, top_k=2) if strategy.startswith("ep") else CFG
 
 
-def measure(strategy: str, target: str) -> dict[str, Any]:
+def measure(strategy: str, target: str, attention_block: str = "auto") -> dict[str, Any]:
     """One strategy compiled for the target: the report's rows, compiled vs predicted."""
     cfg = model_for(strategy)
     target = TARGETS.get(strategy, target)
     mesh = sk.make_mesh(MESHES[strategy], target=target)
-    step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, strategy)
+    named = sk.strategy(strategy)
+    named = named.replace(kernels={**named.kernels, "attention_block": attention_block})
+    step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, named)
     shapes = {"inputs": ((BATCH, SEQ), jnp.int32), "targets": ((BATCH, SEQ), jnp.int32)}
     layout, _ = sk.kernels.batch_layout(step.strategy, mesh)
     if layout != "contiguous":
@@ -87,11 +89,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="v5e-8")
     ap.add_argument("--strategies", default=",".join(MESHES))
+    ap.add_argument("--attention-block", default="auto", help="the attention block kernel (auto: splash on TPU)")
     ap.add_argument("--out", default=f"{RESULTS}/bench_targets.json")
     args = ap.parse_args()
     results = []
     for s in [x for x in args.strategies.split(",") if x]:
-        r = measure(s, args.target)
+        r = measure(s, args.target, args.attention_block)
         results.append(r)
         temp = r["memory"]["temporaries"]
         print(f"\n{s} on {r['mesh']} ({r['target']}, compiled in {r['compile_s']:.1f} s): temporaries compiled "
@@ -106,7 +109,8 @@ def main() -> None:
                   f" | {ratio(row['compiled'], row['predicted'])}")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     setup = dict(target=args.target, model=dataclasses.asdict(CFG), batch=BATCH, seq=SEQ, optimizer="adamw fp32",
-                 jax=jax.__version__, libtpu=importlib.metadata.version("libtpu"))  # fmt: skip
+                 attention_block=args.attention_block, jax=jax.__version__,
+                 libtpu=importlib.metadata.version("libtpu"))  # fmt: skip
     Path(args.out).write_text(json.dumps(dict(setup=setup, results=results), indent=1))
     print(f"\nwrote {args.out}")
 
