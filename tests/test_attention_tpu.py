@@ -36,7 +36,7 @@ def _compiled(name: str, seq: int, block: str | None = None):
     return step.compile(step.abstract_state(), batch)
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", ["cp_ring", "cp_ulysses", "cp_usp"])  # cp_zigzag: the 32k test below
 def test_a_tpu_gets_splash_attention_inside_the_ring(name):
     calls = hlo.kernel_calls(_compiled(name, 2048))
     assert calls, f"{name}: no Mosaic kernel in the TPU program"
@@ -48,6 +48,7 @@ def test_splash_needs_no_more_memory_than_the_scan_at_32k_tokens_over_8_chips():
     """cp_zigzag at S = 32768 (4096 tokens a chip): measured 277 MiB of temporaries under splash, 6817 MiB under the
     XLA scan (the other three strategies: docs/context_parallel.md, experiments/bench/bench_attention_tpu.py)."""
     splash, scan = (_compiled("cp_zigzag", 32768, b) for b in ("splash", "xla"))
-    assert hlo.kernel_calls(splash) and not hlo.kernel_calls(scan)  # attention_block=xla keeps the scan on a TPU
+    assert max(n for _, n in hlo.kernel_calls(splash)) >= RING["cp_zigzag"] - 1  # inside the ring's loop
+    assert not hlo.kernel_calls(scan)  # attention_block=xla keeps the scan on a TPU
     temps = [c.memory_analysis().temp_size_in_bytes for c in (splash, scan)]
     assert temps[0] <= temps[1], temps

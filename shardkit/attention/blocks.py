@@ -34,9 +34,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from shardkit import kernels
+from shardkit.attention.checks import CHECK_VMA, match_kv_heads, spec_entry
 from shardkit.errors import ShardkitError
+from shardkit.rules import compile_platform
 
 BLOCK_KERNELS = ("auto", "xla", "splash", "flash", "pallas_gpu", "cudnn")
 #: the kernels that return a block's log-sum-exp (a ring can merge their blocks)
@@ -48,6 +51,7 @@ LANES = 128
 #: the largest splash block (MaxText's `sa_block_q` = `sa_block_kv` = 512)
 SPLASH_BLOCK = 512
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+CUDNN_DTYPES = ("bfloat16", "float16")
 
 
 def _fits_splash(lengths: tuple[int, ...]) -> bool:
@@ -122,8 +126,6 @@ def resolve(
             "on one device, or use attention_block=splash (interpret mode) or xla"
         )
     if name == "cudnn":
-        from shardkit.attention.dense import CUDNN_DTYPES
-
         if not gpu:
             raise ShardkitError(f"{what}: attention_block=cudnn runs on NVIDIA GPUs; this program is for {platform!r}")
         if jnp.dtype(dtype).name not in CUDNN_DTYPES or segment_ids:
@@ -396,12 +398,6 @@ def local_attention(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: An
 
 def sharded_local(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any, causal: bool, context: Any) -> Any:
     """`local_attention` inside a `shard_map` over the strategy's batch and head axes (the sequence whole)."""
-    from jax.sharding import PartitionSpec
-
-    from shardkit.attention.checks import match_kv_heads, spec_entry
-    from shardkit.attention.ring import CHECK_VMA
-    from shardkit.rules import compile_platform
-
     k, v = match_kv_heads(k, v, q.shape[2], context)
     batch, heads = spec_entry(context.rules.get("batch")), spec_entry(context.rules.get("heads"))
     spec, seg_spec = PartitionSpec(batch, None, heads), PartitionSpec(batch, None)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from shardkit import kernels
+from shardkit.attention import blocks
+from shardkit.attention.blocks import CUDNN_DTYPES
 from shardkit.errors import ShardkitError
 from shardkit.rules import compile_platform
 
@@ -62,8 +64,6 @@ def _dense_from_context(q, k, v, *, causal: bool, segment_ids: Any, context: Any
     cannot be partitioned by GSPMD), else `dense_attention` under GSPMD. `auto` keeps GSPMD's where a mesh axis
     shards neither the batch nor the heads (tp3d's `col`): the `shard_map`'s backward would all-reduce the q, k, v
     gradients over it (measured under tp3d: +96 MiB of all-reduce over col a step, 14% of its collectives)."""
-    from shardkit.attention import blocks
-
     if context is None:
         return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     named = blocks.named()
@@ -84,8 +84,6 @@ def _dense_from_context(q, k, v, *, causal: bool, segment_ids: Any, context: Any
 
 
 register_attention("dense", _dense_from_context)
-
-CUDNN_DTYPES = ("bfloat16", "float16")
 
 
 def cudnn_attention(

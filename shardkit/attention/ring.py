@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -33,35 +32,19 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import kernels
 from shardkit.attention import blocks
+from shardkit.attention.checks import CHECK_VMA as CHECK_VMA  # re-exported: ulysses, usp, tests
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
 from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.chunking import chunk_size as chunk_size  # re-exported: bench_attention, older callers
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
 from shardkit.attention.ring_fused import fused_ring_local
+from shardkit.attention.ring_loop import RingConfig, prepare, ring_loop
 from shardkit.rules import ShardingContext, compile_platform
 
 #: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on
 #: accelerators). Kept under its old name (it was 512 before the per-backend choice) as the kernels' default.
 DEFAULT_CHUNK = None
-# The kernels are correct under check_vma=True (tested), but the train step's microbatch loop vmaps the loss
-# with spmd_axis_name, and batching a shard_map then adds the batch axes to only some values' varying axes
-# ("mul requires varying manual axes to match", jax 0.10-0.12); nothing here relies on replication checks.
-CHECK_VMA = False
-
-
-@dataclasses.dataclass(frozen=True)
-class RingConfig:
-    """Static choices of one kernel call (hashable: it is the custom_vjp's non-differentiable argument)."""
-
-    axis: str | None  # ring mesh axis (None: no ring, one device's full sequence, as inside Ulysses)
-    n: int  # ring size
-    layout: str
-    causal: bool
-    chunk_q: int
-    chunk_k: int
-    block: str = "xla"  # the block kernel (blocks.py): "xla" is this file's scan; splash / flash / cudnn fused
-    platform: str = "cpu"  # of the devices compiled for: a Mosaic kernel is interpreted off TPU
 
 
 def _chunks(x: Any, size: int) -> Any:
@@ -216,42 +199,13 @@ def _block_bwd(cfg: RingConfig, dqt: jax.Array, dkv: tuple, qc: tuple, kc: tuple
     return lax.scan(over_k, dqt, (*kc, *dkv))
 
 
-def _ring_loop(cfg: RingConfig, step: Any, travelling: tuple, carry: Any, returning: int = 0) -> Any:
-    """Runs step(t, travelling, carry) for t = 0..N-1, passing `travelling` to rank r+1 between steps.
-
-    The next block is sent before this step's compute so that the transfer can overlap it; the trailing
-    `returning` entries of `travelling` (dK, dV) are updated by `step` and take one more hop home at the end.
-    """
-    perm = [(i, (i + 1) % cfg.n) for i in range(cfg.n)]
-    send = lambda x: lax.ppermute(x, cfg.axis, perm) if x else x
-    if cfg.n > 1:
-
-        def body(t: jax.Array, state: tuple) -> tuple:
-            travelling, carry = state
-            ahead = send(travelling[: len(travelling) - returning])
-            back, carry = step(t, travelling, carry)
-            return (*ahead, *send(back)), carry
-
-        travelling, carry = lax.fori_loop(0, cfg.n - 1, body, (travelling, carry))
-    back, carry = step(cfg.n - 1, travelling, carry)
-    return (send(back) if cfg.n > 1 else back), carry
-
-
-def _prepare(cfg: RingConfig, q: jax.Array) -> tuple:
-    """(rank, global positions of the local query block, softmax scale 1/sqrt(d))."""
-    c, d = q.shape[1], q.shape[3]
-    rank = lax.axis_index(cfg.axis) if cfg.axis is not None and cfg.n > 1 else 0
-    qpos = block_positions(cfg.layout, cfg.n, rank, c)
-    return rank, qpos, (1.0 / math.sqrt(d))
-
-
 def _group(x: jax.Array, kv: int) -> jax.Array:
     """[b, c, heads, d] -> [b, c, kv, heads/kv, d] (query heads of one kv head side by side)."""
     return x.reshape(*x.shape[:2], kv, x.shape[2] // kv, x.shape[3])
 
 
 def _forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tuple:
-    rank, qpos, scale = _prepare(cfg, q)
+    rank, qpos, scale = prepare(cfg, q)
     b, c, h, d = q.shape
     kv, cq, ck = k.shape[2], cfg.chunk_q, cfg.chunk_k
     qc = (_q_major(q * jnp.asarray(scale, q.dtype), kv, cq), _chunks(qpos[None], cq)[:, 0], _chunks(seg, cq))
@@ -269,7 +223,7 @@ def _forward(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any
         return (), _dispatch(cfg, qpos, kpos, block, state)
 
     # K, V travel chunked and heads-major ([c/ck, b, kv, ck, d]): laid out once, never transposed per pair.
-    _, (o, m, ell) = _ring_loop(cfg, step, (_kv_major(k, ck), _kv_major(v, ck), _chunks(seg, ck)), state)
+    _, (o, m, ell) = ring_loop(cfg, step, (_kv_major(k, ck), _kv_major(v, ck), _chunks(seg, ck)), state)
     return _q_back(o / ell[..., None]).astype(q.dtype), m + jnp.log(ell)
 
 
@@ -298,7 +252,7 @@ def _ring_fwd(cfg: RingConfig, q, k, v, seg) -> tuple:
 
 def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
     q, k, v, seg, o, lse = res
-    rank, qpos, scale = _prepare(cfg, q)
+    rank, qpos, scale = prepare(cfg, q)
     c, kv, cq, ck = q.shape[1], k.shape[2], cfg.chunk_q, cfg.chunk_k
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1, keepdims=True)  # D = rowsum(dO * O)
     qh, doh = _q_major(q * jnp.asarray(scale, q.dtype), kv, cq), _q_major(do, kv, cq)
@@ -320,7 +274,7 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
         return (dk, dv), dqt
 
     dqt0 = lax.full_like(q, 0, jnp.float32, qt.shape)
-    (dk, dv), dqt = _ring_loop(cfg, step, (kh, vh, _chunks(seg, ck), zeros_kv, zeros_kv), dqt0, returning=2)
+    (dk, dv), dqt = ring_loop(cfg, step, (kh, vh, _chunks(seg, ck), zeros_kv, zeros_kv), dqt0, returning=2)
     dq = (_q_back(jnp.moveaxis(dqt, 3, -1)) * scale).astype(q.dtype)
     return dq, _kv_back(dk).astype(k.dtype), _kv_back(dv).astype(v.dtype), None  # dk has the scale via q
 

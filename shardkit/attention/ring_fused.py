@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardkit.attention import blocks
+from shardkit.attention.ring_loop import prepare, ring_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +85,7 @@ def _rows(x: Any, rows: slice, axis: int) -> Any:
 
 
 def _forward(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tuple:
-    from shardkit.attention.ring import _prepare, _ring_loop
-
-    rank, _, scale = _prepare(cfg, q)
+    rank, _, scale = prepare(cfg, q)
     kv, c = k.shape[2], q.shape[1]
     qh = _heads(q * jnp.asarray(scale, q.dtype), kv)
     interpret = blocks.interpreting(cfg.platform, cfg.block)
@@ -108,7 +107,7 @@ def _forward(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tu
                     for p in plans(cfg.layout, cfg.n, c, cfg.causal)]  # fmt: skip
         return (), lax.switch(_relation(rank, (rank - t) % cfg.n), [lambda a, f=f: f(a) for f in branches], acc)
 
-    _, (o, lse) = _ring_loop(cfg, step, (_kv(k), _kv(v), seg), acc)
+    _, (o, lse) = ring_loop(cfg, step, (_kv(k), _kv(v), seg), acc)
     return _heads_back(o).astype(q.dtype), lse
 
 
@@ -124,8 +123,6 @@ def _fused_fwd(cfg: Any, q, k, v, seg) -> tuple:
 
 
 def _fused_bwd(cfg: Any, res: tuple, do: jax.Array) -> tuple:
-    from shardkit.attention.ring import _ring_loop
-
     q, k, v, seg, o, lse = res
     kv, c, scale = k.shape[2], q.shape[1], 1.0 / math.sqrt(q.shape[3])
     rank = lax.axis_index(cfg.axis) if cfg.axis is not None and cfg.n > 1 else 0
@@ -152,7 +149,7 @@ def _fused_bwd(cfg: Any, res: tuple, do: jax.Array) -> tuple:
 
     zeros_kv = lax.full_like(_kv(k), 0, jnp.float32)
     travelling = (_kv(k), _kv(v), seg, zeros_kv, zeros_kv)
-    (dk, dv), dq = _ring_loop(cfg, step, travelling, lax.full_like(qh, 0, jnp.float32), returning=2)
+    (dk, dv), dq = ring_loop(cfg, step, travelling, lax.full_like(qh, 0, jnp.float32), returning=2)
     dq = (_heads_back(dq) * scale).astype(q.dtype)
     return dq, _kv(dk).astype(k.dtype), _kv(dv).astype(v.dtype), None
 
