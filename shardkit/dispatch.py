@@ -19,9 +19,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardkit import kernels
+from shardkit.batch import BatchAxes
 from shardkit.errors import ShardkitError
 from shardkit.presets import HardwarePreset
-from shardkit.step import TrainStep
+from shardkit.step import LossFn, TrainStep
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
 
@@ -57,14 +58,21 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     strategy: str | Strategy,
-    **options: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    batch_axes: BatchAxes = None,
+    microbatches: int = 1,
+    donate: bool = True,
 ) -> TrainStep:
     """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`.
 
-    The step class is the one the strategy names (`Strategy.step`; "gspmd" by default, shardkit/train.py);
-    `options` are the keyword arguments of `TrainStep`: loss_fn, batch_axes, microbatches, donate."""
+    The step class is the one the strategy names (`Strategy.step`; "gspmd" by default, shardkit/train.py).
+    `loss_fn(model, batch) -> (loss, metrics)`: default the model's own `loss` (a GPT's next-token loss);
+    `batch_axes`: the logical names of the batch's dimensions (default the model's, else ("batch",));
+    `microbatches`: gradient accumulation steps per call; `donate`: the state's buffers are reused in place."""
     chosen = get_strategy(strategy)
-    return step_class(chosen.step)(model, optimizer, mesh, chosen, **options)
+    return step_class(chosen.step)(model, optimizer, mesh, chosen, loss_fn=loss_fn, batch_axes=batch_axes,
+                                   microbatches=microbatches, donate=donate)  # fmt: skip
 
 
 def configure(

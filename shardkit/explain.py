@@ -32,6 +32,7 @@ import numpy as np
 
 from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, targets
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
+from shardkit.rules import MESH_AXES
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
@@ -261,6 +262,24 @@ class Report:
         return path
 
 
+def _idle_mesh_axis_names(step: Any) -> tuple[list[str], int, int] | None:
+    """(mesh axis names used as logical names that the strategy's parameter rules replicate, how many parameters
+    carry one, their bytes) — None if there are none."""
+    bound, names = getattr(step, "bound", None), getattr(step, "param_names", None)
+    if bound is None or names is None:
+        return None
+    idle_axes = {a for a in MESH_AXES if a in bound.param_rules and bound.param_rules[a] is None}
+    found, count, nbytes = set(), 0, 0
+    shapes = jax.tree.leaves(step.abstract_state().params) if hasattr(step, "abstract_state") else []
+    for leaf_names, sds in zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)), shapes, strict=False):
+        hit = idle_axes.intersection(n for n in leaf_names if isinstance(n, str))
+        if hit:
+            found |= hit
+            count += 1
+            nbytes += int(np.prod(sds.shape)) * np.dtype(sds.dtype).itemsize
+    return (sorted(found), count, nbytes) if found else None
+
+
 def explain(
     step: Any, state: Any, batch: Any, *, model_cfg: Any = None, target_mesh: dict[str, int] | None = None,
     remat_policies: Sequence[str] = (), hardware: Any = None,
@@ -326,11 +345,23 @@ def explain(
         sources = ", ".join(sorted({t.source for t in unpredicted}))
         pred = (comms, pred[1], f"{pred[2]}; {len(unpredicted)} kernel calls' own collectives, as traced ({sources})")
     unnamed = list(getattr(step, "unnamed_params", []))
-    if unnamed:
-        shown = ", ".join(f"{p} {list(shape)}" for p, shape, _ in unnamed[:6]) + (", ..." if len(unnamed) > 6 else "")
-        notes.append(f"{len(unnamed)} parameters have no logical names and are replicated on every device "
-                     f"({sum(b for *_, b in unnamed) / 2**20:.2f} MiB each): {shown}; name them "
+    splits = dict(getattr(step, "unnamed_splits", {}))
+    whole = [u for u in unnamed if u[0] not in splits]
+    if splits:
+        shown = ", ".join(f"{p} {list(shape)} on dim {splits[p][0]} over {','.join(splits[p][1])}"
+                          for p, shape, _ in unnamed if p in splits)  # fmt: skip
+        notes.append(f"{len(splits)} parameters have no logical names and are split as FSDP splits them (their "
+                     f"largest dimension divisible by the degree): {shown}")  # fmt: skip
+    if whole:
+        shown = ", ".join(f"{p} {list(shape)}" for p, shape, _ in whole[:6]) + (", ..." if len(whole) > 6 else "")
+        notes.append(f"{len(whole)} parameters have no logical names and are replicated on every device "
+                     f"({sum(b for *_, b in whole) / 2**20:.2f} MiB each): {shown}; name them "
                      "(nnx.with_partitioning) to shard them, or strict_names=True to refuse them")  # fmt: skip
+    idle = _idle_mesh_axis_names(step)
+    if idle:
+        notes.append(f"{idle[1]} parameters ({idle[2] / 2**20:.2f} MiB) are annotated with mesh axis names this "
+                     f"strategy does not shard parameters over ({', '.join(idle[0])}): replicated along those "
+                     "dimensions; strategy 'annotated' places them as annotated")  # fmt: skip
     if getattr(step, "offload", ()):  # Strategy.offload: the state that rests in host memory (shardkit/offload.py)
         memory["host"] = offload.host_bytes(compiled)["host_arguments"]
         notes.append(f"offload={','.join(step.offload)}: {_h(memory['host'])} per device rest in host memory "

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.errors import ShardkitError
+from shardkit.mesh import auto_axes
 from shardkit.rules import Rules, named_sharding
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
@@ -62,6 +64,19 @@ def logical_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
     return None
 
 
+PathRules = tuple[tuple[str, tuple[str | None, ...]], ...]  # ((regex over "a/b/c" paths, logical names), ...)
+
+
+def path_names(path: str, var: nnx.Variable, path_rules: PathRules = ()) -> tuple[str | None, ...] | None:
+    """A parameter's logical names: the first of `path_rules` whose pattern matches its path (`re.search`, as
+    EasyDeL's and t5x's partition rules match), else its metadata's (`logical_names`)."""
+    if isinstance(var, nnx.Param):
+        for pattern, names in path_rules:
+            if re.search(pattern, path):
+                return tuple(names)
+    return logical_names(var)
+
+
 def _variables(state: nnx.State) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
     return jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -83,7 +98,9 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]
     return nnx.split(model, nnx.Param, ...)
 
 
-def state_logical_axes(state: nnx.State, *, require: bool = True, strict: bool = False) -> dict[str, Any]:
+def state_logical_axes(
+    state: nnx.State, *, require: bool = True, strict: bool = False, path_rules: PathRules = ()
+) -> dict[str, Any]:
     """A pure dict (the structure of `nnx.to_pure_dict(state)`) of each variable's logical axis names.
 
     Names mean what they mean to Flax and JAX (`nnx.with_partitioning`, a `PartitionSpec`): fewer names than
@@ -91,11 +108,12 @@ def state_logical_axes(state: nnx.State, *, require: bool = True, strict: bool =
     kernel is `('embed', 'kv', None)`), and a variable with no names is replicated. More names than dimensions
     is a ShardkitError naming the variable. With `strict` (`Strategy.strict_names`), a parameter (`require`)
     must have exactly one name (or None) per dimension (scalars need none): nothing is replicated silently.
+    `path_rules` (`Strategy.path_rules`) name parameters by their path, before their metadata (`path_names`).
     """
     out: dict[str, Any] = {}
     for path, var in _variables(state):
         shape = tuple(getattr(var.get_value(), "shape", ()))
-        names = logical_names(var)
+        names = path_names(_path_str(path), var, path_rules)
         if (names is not None and len(names) > len(shape)) or (
             strict and require and shape and (names is None or len(names) != len(shape))
         ):
@@ -111,14 +129,14 @@ def state_logical_axes(state: nnx.State, *, require: bool = True, strict: bool =
     return out
 
 
-def unnamed_parameters(state: nnx.State) -> list[tuple[str, tuple[int, ...], int]]:
+def unnamed_parameters(state: nnx.State, path_rules: PathRules = ()) -> list[tuple[str, tuple[int, ...], int]]:
     """(path, shape, bytes) of every parameter without logical names: replicated on every device under any
     strategy (`sk.explain` lists them; `Strategy.strict_names` refuses them)."""
     out = []
     for path, var in _variables(state):
         value = var.get_value()
         shape = tuple(getattr(value, "shape", ()))
-        if isinstance(var, nnx.Param) and shape and logical_names(var) is None:
+        if isinstance(var, nnx.Param) and shape and path_names(_path_str(path), var, path_rules) is None:
             out.append((_path_str(path), shape, int(math.prod(shape)) * jax.numpy.dtype(value.dtype).itemsize))
     return out
 
@@ -149,6 +167,31 @@ def scoped_rules(path: str, rules: Rules, scopes: Mapping[str, Rules] | None) ->
     return out
 
 
+def zero_axes(rules: Rules, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes (size > 1) a rules table rests parameters on, ZeRO's way: those FSDP's `embed` (a CNN's
+    `channels`) maps to; () for a table that shards no parameter that way (dp, tp)."""
+    axes = rules.get("embed") or rules.get("channels") or ()
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+
+def unnamed_splits(
+    state: nnx.State, rules: Rules, mesh: Mesh, min_bytes: int = 0, scopes: Mapping[str, Rules] | None = None,
+    path_rules: PathRules = (),
+) -> dict[str, tuple[int, tuple[str, ...]]]:  # fmt: skip
+    """path -> (dimension, mesh axes) for each parameter without logical names that is split anyway, as PyTorch
+    FSDP and Kauldron's FSDP sharding split one: along its largest dimension divisible by the degree of the table's
+    ZeRO axes (`zero_axes`; ties: the first), if it has `min_bytes` or more (Kauldron keeps those under 4 MiB
+    replicated; the default, 0, splits every one, as PyTorch FSDP does). The rest stay replicated."""
+    out = {}
+    for path, shape, nbytes in unnamed_parameters(state, path_rules):
+        axes = zero_axes(scoped_rules(path, rules, scopes), mesh)
+        degree = math.prod(mesh.shape[a] for a in axes)
+        dims = [d for d, n in enumerate(shape) if n % degree == 0]
+        if degree > 1 and nbytes >= min_bytes and dims:
+            out[path] = (max(dims, key=lambda d: (shape[d], -d)), axes)
+    return out
+
+
 def state_shardings(
     state: nnx.State,
     rules: Rules,
@@ -157,15 +200,29 @@ def state_shardings(
     require: bool = True,
     scopes: Mapping[str, Rules] | None = None,
     strict: bool = False,
+    unnamed_min_bytes: int | None = None,
+    path_rules: PathRules = (),
 ) -> dict[str, Any]:
     """A pure dict of NamedShardings for `state`, checked (path, shape, axis) against the mesh; a variable under a
-    scope pattern (Strategy.scopes) takes that scope's rules over `rules`."""
+    scope pattern (Strategy.scopes) takes that scope's rules over `rules`. `unnamed_min_bytes` (parameters only):
+    split the parameters without logical names that have that many bytes over the table's ZeRO axes
+    (`unnamed_splits`); None: they stay replicated."""
     shapes = nnx.to_pure_dict(state)
-    logical = state_logical_axes(state, require=require, strict=strict)
+    logical = state_logical_axes(state, require=require, strict=strict, path_rules=path_rules)
     kind = "parameter" if require else "variable"
+    split = (
+        unnamed_splits(state, rules, mesh, unnamed_min_bytes, scopes, path_rules)
+        if require and unnamed_min_bytes is not None
+        else {}
+    )
 
     def one(path: Any, names: tuple, sds: Any) -> NamedSharding:
         where = _path_str(path)
+        if where in split:  # no names: split as FSDP splits an unnamed parameter
+            dim, axes = split[where]
+            spec = [None] * len(sds.shape)
+            spec[dim] = axes[0] if len(axes) == 1 else axes
+            return NamedSharding(mesh, PartitionSpec(*spec))
         return named_sharding(names, scoped_rules(where, rules, scopes), mesh, sds.shape, what=f"{kind} {where!r}")
 
     return jax.tree_util.tree_map_with_path(one, logical, shapes, is_leaf=lambda x: isinstance(x, tuple))
@@ -188,11 +245,19 @@ def sharded_init(
     it has logical names, else it is replicated.
     """
     require_runnable(mesh, "sk.sharded_init")  # a target's devices: the abstract path instead, said so
+    mesh = auto_axes(mesh, "sk.sharded_init")  # jax.make_mesh's Explicit axes: the same mesh, Auto (said once)
     bound = get_strategy(strategy).bind(mesh)
     graphdef, abs_params, abs_rest = split_params(abstract_model(make_model, seed))
     shardings = (
         state_shardings(
-            abs_params, bound.param_rules, mesh, require=True, scopes=bound.scopes, strict=bound.strategy.strict_names
+            abs_params,
+            bound.param_rules,
+            mesh,
+            require=True,
+            scopes=bound.scopes,
+            strict=bound.strategy.strict_names,
+            unnamed_min_bytes=bound.strategy.unnamed_min_bytes,
+            path_rules=bound.strategy.path_rules,
         ),
         state_shardings(abs_rest, bound.param_rules, mesh, require=False, scopes=bound.scopes),
     )

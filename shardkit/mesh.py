@@ -11,6 +11,7 @@ collectives. Presets are TOML files in `meshes/` (see `meshes/README.md` for the
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -112,6 +113,40 @@ def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = Non
         spec = preset.axes
     axes = resolve_axes(spec, len(devices))
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+_SAID_AUTO: set[tuple] = set()
+
+
+def auto_axes(mesh: Mesh, what: str = "shardkit") -> Mesh:
+    """`mesh` as shardkit runs it: the same devices and axis names, every axis `AxisType.Auto`.
+
+    `jax.make_mesh` gives Explicit axes by default (jax 0.10-0.12), under which a sharding constraint asserts the
+    layout an array already has instead of choosing it. shardkit's strategies choose every layout through their
+    rules (GSPMD: `with_sharding_constraint` and jit's shardings), so a mesh with Explicit axes is taken with Auto
+    ones, said once per mesh shape. Arrays placed on the user's mesh keep their devices and partitioning; only the
+    axis type differs. A mesh inside a `shard_map` (Manual axes) is refused: build the step outside it."""
+    types = tuple(getattr(mesh, "axis_types", None) or ())
+    if all(t == AxisType.Auto for t in types):
+        return mesh
+    if any(t == AxisType.Manual for t in types):
+        raise ShardkitError(
+            f"{what}: mesh axes {dict(zip(mesh.axis_names, types, strict=True))} include Manual ones (a mesh from "
+            "inside a shard_map); build the train step outside the shard_map, on the concrete mesh"
+        )
+    key = (tuple(mesh.axis_names), types)
+    if key not in _SAID_AUTO:
+        _SAID_AUTO.add(key)
+        explicit = [n for n, t in zip(mesh.axis_names, types, strict=True) if t != AxisType.Auto]
+        warnings.warn(
+            f"{what}: mesh axes {explicit} are Explicit (jax.make_mesh's default); shardkit's strategies choose "
+            "every layout through their sharding rules, so this mesh's devices and axis names are used with Auto "
+            "axes. To say so yourself: sk.make_mesh('data=2,fsdp=4') or jax.make_mesh(..., "
+            "axis_types=(jax.sharding.AxisType.Auto,) * n)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def _multislice_mesh(axes: dict[str, int], tgt: Any) -> Mesh:

@@ -26,6 +26,21 @@ from shardkit.errors import ShardkitError
 MeshAxes = tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 
+#: The mesh axis names shardkit's strategies use: a rule may name one the mesh lacks (it is dropped), and a
+#: parameter annotated with one's own name is placed by `with_mesh_axis_names`.
+MESH_AXES = ("data", "fsdp", "tensor", "seq", "seq_u", "seq_r", "stage", "expert", "space", "space_h", "space_w",
+             "row", "col", "depth")  # fmt: skip
+
+
+def with_mesh_axis_names(rules: Rules, mesh: Mesh, *, place: bool = True) -> dict[str, MeshAxes]:
+    """`rules` plus a rule for each mesh axis name used as a logical name (a model annotated with mesh axes, as
+    many libraries' models are: `nnx.with_partitioning(init, ("fsdp", "tensor"))`). Parameters (`place`): the axis
+    itself where this table shards something over it, else replicated (`explain` lists those). Activations (`place`
+    False): replicated, so that they follow the strategy's own names. A name the table maps keeps its rule."""
+    used = {a for axes in rules.values() for a in (axes or ())} if place else set()
+    extra = {a: ((a,) if a in used else None) for a in (*MESH_AXES, *mesh.shape) if a not in rules}
+    return {**extra, **rules}
+
 
 def normalize_rules(rules: Mapping[str, str | Sequence[str] | None]) -> dict[str, MeshAxes]:
     """{'batch': 'data', 'embed': ('fsdp',), 'vocab': None} -> every value a tuple of mesh axes or None."""
@@ -71,7 +86,7 @@ def logical_to_spec(
             continue
         if name not in rules:
             hint = (f"; {name!r} is a mesh axis: a model annotated with mesh axes trains as annotated under strategy "
-                    "'annotated'" if name in mesh.shape else "")  # fmt: skip
+                    "'annotated'" if name in mesh.shape or name in MESH_AXES else "")  # fmt: skip
             raise ShardkitError(
                 f"{what}: logical axis {name!r} has no rule in this strategy (known: {', '.join(sorted(rules))}); "
                 f"add a rule {name!r}: None to replicate it or {name!r}: '<mesh axis>' to shard it{hint}"

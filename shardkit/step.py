@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -58,8 +60,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit import batch as batching
 from shardkit import kernels, offload
 from shardkit.batch import Batch, BatchAxes
-from shardkit.errors import ShardkitError
-from shardkit.init import is_key, split_params, state_logical_axes, state_shardings, unnamed_parameters
+from shardkit.errors import ShardkitError, unbound_axis_name
+from shardkit.init import (
+    is_key,
+    split_params,
+    state_logical_axes,
+    state_shardings,
+    unnamed_parameters,
+    unnamed_splits,
+)
+from shardkit.mesh import auto_axes
 from shardkit.rules import compiling_for, flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
@@ -135,6 +145,7 @@ class TrainStep(abc.ABC):
     ):
         if microbatches < 1:
             raise ShardkitError(f"microbatches={microbatches} must be >= 1")
+        mesh = auto_axes(mesh, "make_train_step")  # jax.make_mesh's Explicit axes: the same mesh, Auto (said once)
         self.strategy = get_strategy(strategy)
         with compiling_for(mesh):  # kernel checks that depend on the platform ask the mesh's devices, not the host's
             kernels.check(self.strategy.kernels)
@@ -146,17 +157,23 @@ class TrainStep(abc.ABC):
         self.graphdef, params, rest = split_params(model)
         rules = self.bound.param_rules
         strict = self.strategy.strict_names
-        self.param_names = state_logical_axes(params, strict=strict)  # pure dict of each parameter's logical names
-        self.unnamed_params = unnamed_parameters(params)  # (path, shape, bytes): replicated, listed by explain
+        paths = self.strategy.path_rules  # names by parameter path (Strategy.extend(path_rules=...)), first match
+        self.param_names = state_logical_axes(params, strict=strict, path_rules=paths)  # each parameter's names
+        self.unnamed_params = unnamed_parameters(params, paths)  # (path, shape, bytes): listed by explain
         self._check_every_axis_shards_something(model, rest)
         scopes = self.bound.scopes  # Whale-style per-module rules (Strategy.scopes)
-        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes, strict=strict)
-        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes, strict=strict)
+        floor = self.strategy.unnamed_min_bytes  # unnamed parameters: split over the ZeRO axes (init.unnamed_splits)
+        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes, strict=strict,
+                                               unnamed_min_bytes=floor, path_rules=paths)  # fmt: skip
+        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes, strict=strict,
+                                                unnamed_min_bytes=floor, path_rules=paths)  # fmt: skip
+        self.unnamed_splits = unnamed_splits(params, rules, mesh, floor, scopes, paths)  # explain lists them
         self.model_state_shardings = state_shardings(rest, rules, mesh, require=False, scopes=scopes)
         self.initial_model_state = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
         self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys
         abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         self.set_param_layout(abs_params)
+        self._say_idle_parameter_axes(mesh, abs_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.opt_shardings = optax.tree_utils.tree_map_params(
             optimizer,
@@ -178,6 +195,25 @@ class TrainStep(abc.ABC):
         self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
         self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
         self.setup()
+
+    def _say_idle_parameter_axes(self, mesh: Mesh, abs_params: Any) -> None:
+        """Warns where a mesh axis the strategy rests parameters on shards none of this model's: the axis still
+        splits the batch, but every parameter byte is replicated along it (fsdp over a model whose every parameter
+        carries names the table replicates)."""
+        specs = [s.spec for s in jax.tree.leaves(self.param_shardings)]
+        used = {a for spec in specs for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+        meant = {a for name, axes in self.bound.param_rules.items() if axes != (name,)  # a mesh axis's own name:
+                 for a in (axes or ()) if mesh.shape.get(a, 1) > 1}  # fmt: skip  # what the model names, not a rule
+        total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abs_params))
+        for axis in sorted(meant - used):
+            warnings.warn(
+                f"strategy {self.strategy.name!r} rests parameters on mesh axis {axis!r} (size {mesh.shape[axis]}), "
+                f"but no parameter of this model is sharded over it: all {total / 2**20:.2f} MiB are replicated along "
+                "it (it still splits the batch). Give the parameters names the strategy shards, or path rules "
+                "(Strategy.extend(path_rules=...)), or use a strategy without it",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _check_every_axis_shards_something(self, model: nnx.Module, rest: Any) -> None:
         """Refuses a mesh axis (size > 1) that the strategy maps only to logical names this model's parameters,
@@ -469,7 +505,10 @@ class TrainStep(abc.ABC):
         with self.tracing(rules or self.bound.compute_rules, local):
             model = nnx.merge(self.graphdef, params, self.wrap_keys(model_state))
             model.train() if train else model.eval()
-            out = self.loss_fn(model, batch)
+            try:
+                out = self.loss_fn(model, batch)
+            except NameError as e:  # JAX's "unbound axis name", raised while tracing: before XLA sees anything
+                raise (unbound_axis_name(e, model) or e) from None
             new_state = self.unwrap_keys(nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
         loss, aux = out if isinstance(out, tuple) else (out, {})
         if not isinstance(aux, dict):

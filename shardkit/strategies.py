@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,8 @@ from jax.sharding import Mesh
 
 from shardkit.errors import ShardkitError
 from shardkit.offload import parse as offload_names
-from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh
+from shardkit.rules import MESH_AXES as MESH_AXES  # re-exported: its home was this module
+from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh, with_mesh_axis_names
 
 if TYPE_CHECKING:
     from shardkit.traits import Traits
@@ -43,8 +45,6 @@ LOGICAL_AXES = ("batch", "seq", "res_seq", "embed", "heads", "kv_heads", "kv", "
 _REPLICATED: dict[str, MeshAxes] = dict.fromkeys(LOGICAL_AXES)
 #: Mesh axis names the strategies use; a rule may name one the mesh lacks (it is then dropped: data parallelism
 #: without a `data` axis is no data parallelism), but a name outside this list must be in the mesh.
-MESH_AXES = ("data", "fsdp", "tensor", "seq", "seq_u", "seq_r", "stage", "expert", "space", "space_h", "space_w",
-             "row", "col", "depth")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,13 @@ class Strategy:
     #: refuse parameters with fewer logical names than dimensions, or none, instead of replicating what is unnamed
     #: (Flax's meaning, the default; `--config.strict_names`)
     strict_names: bool = False
+    #: parameters without logical names are split over the table's ZeRO axes (FSDP's: `shardkit.init.unnamed_splits`)
+    #: along their largest divisible dimension when they have at least this many bytes; smaller ones stay replicated
+    #: (0: every one, as PyTorch FSDP; Kauldron's FSDP keeps those under 4 MiB whole)
+    unnamed_min_bytes: int = 0
+    #: logical names by parameter path, ((regex, names), ...), first match wins (`re.search` over "a/b/c"), before
+    #: the parameters' own metadata: names for a model library that carries none, without editing it
+    path_rules: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
     #: what rests in host memory between steps, brought to the devices by the step (ZeRO-Offload,
     #: shardkit/offload.py): () or any of "opt_state", "params" (a comma-separated string is accepted)
     offload: tuple[str, ...] = ()
@@ -99,17 +106,32 @@ class Strategy:
             changes = {**changes, "kernels": table, "attention": table["attention"], "layers": table["layers"]}
         return dataclasses.replace(self, **changes)
 
-    def extend(self, **rules: str | Sequence[str] | None) -> Strategy:
-        """The same strategy with rules for a model's own logical names, in all three tables.
+    def extend(
+        self, path_rules: Sequence[tuple[str, Sequence[str | None]]] = (), **rules: str | Sequence[str] | None
+    ) -> Strategy:
+        """The same strategy with rules for a model's own logical names, in all three tables, and logical names
+        for parameters by their path.
 
         `sk.strategy("fsdp").extend(height=None, width=None, channels=None)` replicates them; a name may be
-        sharded (`channels="tensor"`) like any other.
+        sharded (`channels="tensor"`) like any other. `path_rules=[(r"attn/.*/kernel", ("embed", "heads")), ...]`
+        names every parameter whose "a/b/c" path matches a pattern (`re.search`; the first match wins, before the
+        parameter's own metadata), as EasyDeL's, t5x's and MaxText's partition rules do; the names then go through
+        the tables like any others. Rules given here come before the strategy's earlier ones.
         """
+        for pattern, names in path_rules:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ShardkitError(f"path_rules: {pattern!r} is not a regular expression ({e})") from None
+            if isinstance(names, str):
+                raise ShardkitError(f"path_rules: {pattern!r} -> {names!r}: give a tuple of names, one per dimension")
+        paths = tuple((p, tuple(n)) for p, n in path_rules) + self.path_rules
         new = normalize_rules(rules)
         opt = None if self.opt_rules is None else {**self.opt_rules, **new}
         return self.replace(
-            param_rules={**self.param_rules, **new}, compute_rules={**self.compute_rules, **new}, opt_rules=opt
-        )
+            param_rules={**self.param_rules, **new}, compute_rules={**self.compute_rules, **new}, opt_rules=opt,
+            path_rules=paths,
+        )  # fmt: skip
 
     def traits(self) -> Traits:
         """What the cost model and `explain` read about this strategy: its tables and kernels, normalised."""
@@ -177,13 +199,14 @@ class Strategy:
                 f"every device along it would compute the same thing. Remove it from the mesh or pick a strategy "
                 f"that uses it ({', '.join(s for s, v in STRATEGIES.items() if unused[0] in v.mesh_axes())})"
             )
-        params = restrict_to_mesh(self.param_rules, mesh, self.required_axes)
+        params = with_mesh_axis_names(restrict_to_mesh(self.param_rules, mesh, self.required_axes), mesh)
+        opt = params if self.opt_rules is None else with_mesh_axis_names(restrict_to_mesh(self.opt_rules, mesh), mesh)
         return BoundStrategy(
             strategy=self,
             mesh=mesh,
             param_rules=params,
-            opt_rules=params if self.opt_rules is None else restrict_to_mesh(self.opt_rules, mesh),
-            compute_rules=restrict_to_mesh(self.compute_rules, mesh),
+            opt_rules=opt,
+            compute_rules=with_mesh_axis_names(restrict_to_mesh(self.compute_rules, mesh), mesh, place=False),
             scopes={k: restrict_to_mesh(v, mesh) for k, v in self.scopes.items()},
         )
 

@@ -28,7 +28,7 @@ LECUN, ZEROS, ONES = nnx.initializers.lecun_normal(), nnx.initializers.zeros_ini
 
 
 def part(init, names):
-    return nnx.with_partitioning(init, names)
+    return nnx.with_partitioning(init, names) if any(names) else init  # no names at all: no metadata
 
 
 class GuideLM(nnx.Module):
@@ -203,6 +203,11 @@ class MeshRules:
 
 LOGICAL = MeshRules(embed="embed", mlp="mlp", kv="kv", vocab="vocab")  # logical names: a strategy's tables map them
 ON_MESH = MeshRules(embed="fsdp", mlp="tensor", kv="tensor", vocab="tensor")  # the example's own: mesh axes
+UNNAMED = MeshRules()  # as most model libraries ship: no partitioning metadata at all
+#: names by path, as EasyDeL / t5x / MaxText users write partition rules (first match wins)
+PATH_RULES = [(r"embed/embedding$", ("vocab", "embed")), (r"attention/(query|key|value)/kernel$", ("embed", "heads")),
+              (r"attention/out/kernel$", ("heads", None, "embed")), (r"up/kernel$", ("embed", "mlp")),
+              (r"down/kernel$", ("mlp", "embed")), (r"norm/scale$", ("embed",))]  # fmt: skip
 
 
 class ExampleLM(nnx.Module):
@@ -229,6 +234,27 @@ class ExampleLM(nnx.Module):
         x = x + self.attention(self.norm(x), mask=nnx.make_causal_mask(tokens), deterministic=self.deterministic)
         x = x + self.down(nnx.relu(self.up(self.norm(x))))
         return self.embed.attend(x)
+
+
+def test_a_transformer_that_names_nothing_shards_under_fsdp_and_by_path_rules_under_tp():
+    """No metadata: fsdp splits every parameter as FSDP does (<= 0.6 of the bytes a device); tp needs names, which
+    path rules give without editing the model; each at parity with one device."""
+    ref = reference("lm", example_lm(LOGICAL), lm_loss, token_batch())
+    got = run(example_lm(UNNAMED), sk.make_mesh("data=2,fsdp=4"), "fsdp", lm_loss, token_batch())
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    assert_close(got[1], ref[1])
+    local, total = _param_bytes(got[3])
+    assert local <= 0.6 * total, (local, total)
+    for name, spec in (("tp", "data=2,tensor=4"), ("fsdp_tp", "data=2,fsdp=2,tensor=2")):
+        with pytest.raises(sk.ShardkitError, match="tensor"):  # no names, nothing for tensor to shard: refused
+            run(example_lm(UNNAMED), sk.make_mesh(spec), name, lm_loss, token_batch(), steps=1)
+        named = sk.strategy(name).extend(path_rules=PATH_RULES)
+        got = run(example_lm(UNNAMED), sk.make_mesh(spec), named, lm_loss, token_batch())
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+        assert_close(got[1], ref[1])
+        query = got[3].params["attention"]["query"]["kernel"]  # [embed, heads, head_dim] by ("embed", "heads")
+        assert tuple(query.sharding.spec)[:2] == (("fsdp" if name == "fsdp_tp" else None), "tensor"), query.sharding
+        assert got[2].unnamed_params == []
 
 
 class UnnamedCNN(nnx.Module):
@@ -285,22 +311,66 @@ def test_a_model_annotated_with_mesh_axes_trains_as_annotated():
     assert tuple(got[3].params["embed"]["embedding"].sharding.spec) == ("tensor", "fsdp")
     report = sk.explain(got[2], got[2].abstract_state(), token_batch())  # explained like any other strategy
     assert report.strategy == "annotated" and any(r["kind"] == "all-gather" for r in report.rows())  # fsdp's
-    with pytest.raises(sk.ShardkitError, match=r"'fsdp' is a mesh axis: .* strategy 'annotated'"):
-        example_lm(ON_MESH)(sk.make_mesh("data=2,fsdp=4"), "fsdp")
+
+
+@pytest.mark.parametrize(("strategy", "spec", "sharded"), [("dp", "data=8", ()), ("fsdp", "data=2,fsdp=4", ("fsdp",)),
+                                                            ("tp", "data=2,tensor=4", ("tensor",))])  # fmt: skip
+def test_a_model_annotated_with_mesh_axes_trains_under_named_strategies(strategy, spec, sharded):
+    """Mesh-axis names under a named strategy: an axis the strategy shards parameters over is used (fsdp's fsdp,
+    tp's tensor), any other is replicated and listed by explain."""
+    ref = reference("lm", example_lm(LOGICAL), lm_loss, token_batch())
+    got = run(example_lm(ON_MESH), sk.make_mesh(spec), strategy, lm_loss, token_batch())
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    assert_close(got[1], ref[1])
+    used = {
+        a
+        for x in jax.tree.leaves(got[3].params)
+        for e in x.sharding.spec
+        if e
+        for a in ((e,) if isinstance(e, str) else e)
+    }
+    assert used == set(sharded), used
+    report = sk.explain(got[2], got[2].abstract_state(), token_batch())
+    replicated = {"fsdp", "tensor"} - set(sharded)
+    assert any(f"mesh axis names this strategy does not shard parameters over ({', '.join(sorted(replicated))})" in n
+               for n in report.notes), report.notes  # fmt: skip
+
+
+def _param_bytes(state):
+    """(bytes on one device, bytes in all) of the parameters."""
+    leaves = jax.tree.leaves(state.params)
+    return sum(x.addressable_shards[0].data.nbytes for x in leaves), sum(x.nbytes for x in leaves)
 
 
 @pytest.mark.parametrize(("strategy", "spec"), [("dp", "data=8"), ("fsdp", "data=2,fsdp=4")])
-def test_an_unnamed_cnn_with_batchnorm_trains_replicated_and_explain_lists_it(strategy, spec):
+def test_an_unnamed_cnn_with_batchnorm_trains_at_parity_split_as_fsdp_splits_it(strategy, spec):
+    """No names: dp replicates; fsdp splits each parameter along its largest dimension divisible by 4 (PyTorch
+    FSDP's and Kauldron's rule), head/bias [10] stays whole; explain says which."""
     ref = reference("cnn", unnamed_cnn, image_loss, image_batch(), IMAGE_AXES)
     got = run(unnamed_cnn, sk.make_mesh(spec), strategy, image_loss, image_batch(), IMAGE_AXES)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     assert_close(got[1], ref[1])
     assert_close(jax.tree.map(np.asarray, got[3].model_state), jax.tree.map(np.asarray, ref[3].model_state))
     step, state = got[2], got[3]
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.params))
     report = sk.explain(step, step.abstract_state(), image_batch())
     assert [p for p, *_ in report.unnamed_params] == ["bn/bias", "bn/scale", "conv/kernel", "head/bias", "head/kernel"]
-    assert any("5 parameters have no logical names and are replicated" in n for n in report.notes)
+    local, total = _param_bytes(state)
+    if strategy == "dp":
+        assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.params))
+        assert any("5 parameters have no logical names and are replicated" in n for n in report.notes)
+    else:
+        assert local <= 0.6 * total, (local, total)  # 52 of 178 values: 0.29
+        assert tuple(state.params["conv"]["kernel"].sharding.spec) == (None, None, None, "fsdp")  # [3, 3, 1, 8]
+        assert tuple(state.params["head"]["kernel"].sharding.spec) == ("fsdp", None)  # [8, 10]
+        assert state.params["head"]["bias"].sharding.is_fully_replicated  # [10]: 10 % 4
+        assert any("4 parameters have no logical names and are split" in n and "conv/kernel [3, 3, 1, 8] on dim 3 "
+                   "over fsdp" in n for n in report.notes)  # fmt: skip
+        assert any("1 parameters have no logical names and are replicated" in n for n in report.notes)
+        floor = sk.strategy("fsdp").replace(unnamed_min_bytes=100)  # Kauldron's floor, scaled: the 32-byte BN stays
+        small = run(unnamed_cnn, sk.make_mesh(spec), floor, image_loss, image_batch(), IMAGE_AXES)
+        assert small[3].params["bn"]["scale"].sharding.is_fully_replicated
+        assert not small[3].params["conv"]["kernel"].sharding.is_fully_replicated
+        np.testing.assert_allclose(small[0], ref[0], rtol=1e-5)
     strict = sk.strategy(strategy).replace(strict_names=True)
     with pytest.raises(sk.ShardkitError, match=r"'bn/bias' of shape \(8,\) has logical names None"):
         unnamed_cnn(sk.make_mesh(spec), strict)
@@ -332,13 +402,39 @@ def linen_batch():
             "label": jnp.asarray(rng.integers(0, 10, 16), jnp.int32)}  # fmt: skip
 
 
-def test_linen_parameters_without_names_are_replicated_or_refused_when_strict():
-    """Flax's meaning: BatchNorm's unnamed scale and bias are replicated; strict_names restores the refusal."""
+class PmapEraMLP(nn.Module):
+    """As Flax's ImageNet example writes BatchNorm for pmap: statistics averaged over a named axis."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        h = nn.relu(nn.Dense(MLP)(x))
+        h = nn.BatchNorm(use_running_average=not train, axis_name="batch")(h)
+        return nn.Dense(10)(h)
+
+
+def test_a_pmap_era_batchnorm_is_refused_naming_the_module_and_the_fix():
+    """JAX's NameError ("unbound axis name") from inside the step becomes a ShardkitError at trace time."""
+    example, mesh = jnp.zeros((2, EMBED)), sk.make_mesh("data=8")
+    model = sk.from_linen(PmapEraMLP(), example, mesh, "dp")
+    step = sk.make_train_step(model, optax.sgd(0.1), mesh, "dp", loss_fn=linen_loss, batch_axes=("batch",))
+    with pytest.raises(sk.ShardkitError, match=r"axis name 'batch'.*BatchNorm.*drop axis_name='batch'"):
+        step(step.init_state(), linen_batch())
+    net = nnx.Sequential(nnx.Linear(EMBED, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, axis_name="data", rngs=nnx.Rngs(0)))
+    step = sk.make_train_step(net, optax.sgd(0.1), mesh, "dp", batch_axes=("batch",),
+                              loss_fn=lambda m, b: jnp.mean(m(b["x"]) ** 2))  # fmt: skip
+    with pytest.raises(sk.ShardkitError, match=r"axis name 'data' in layers/1 \(BatchNorm\)"):
+        step(step.init_state(), linen_batch())
+
+
+def test_linen_parameters_without_names_are_split_or_refused_when_strict():
+    """Unnamed BatchNorm scale / bias and Dense kernel are split over fsdp as FSDP splits them; strict_names
+    restores the refusal."""
     example, mesh = jnp.zeros((2, EMBED)), sk.make_mesh("data=2,fsdp=4")
     model = sk.from_linen(LinenMLP(), example, mesh, "fsdp")
     step = sk.make_train_step(model, optax.sgd(0.1), mesh, "fsdp", loss_fn=linen_loss, batch_axes=("batch",))
     assert [p for p, *_ in step.unnamed_params] == ["BatchNorm_0/bias", "BatchNorm_0/scale", "Dense_0/kernel"]
-    assert tuple(step.param_shardings["BatchNorm_0"]["scale"].spec) == ()
+    assert tuple(step.param_shardings["BatchNorm_0"]["scale"].spec) == ("fsdp",)  # unnamed: split as FSDP does
+    assert tuple(step.param_shardings["Dense_0"]["kernel"].spec) == ("fsdp", None)  # [64, 10]: 64 % 4
     assert tuple(step.param_shardings["w_in"].spec) == ("fsdp",)  # embed over fsdp, mlp replicated
     out = model(example, train=False)  # no mutable: the output alone, as Linen's apply
     assert out.shape == (2, 10)

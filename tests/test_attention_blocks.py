@@ -64,7 +64,7 @@ def test_ring_over_splash_matches_dense(layout, data):
                                                    segment_ids=lay(s), block="splash")), data)  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", ["zigzag"])  # its plans: full, causal, half-blocks (contiguous adds only a skip)
 def test_ring_over_pallas_gpu_matches_dense(layout, data):
     """Pallas's GPU (Triton) kernel in interpret mode: its lse is base 2, its backward takes the merged lse and output;
     no segment ids inside a ring (its kernel takes one array for queries and keys), so none here."""
@@ -143,6 +143,16 @@ def test_a_kernel_that_cannot_run_is_refused_with_the_reason():
     assert blocks.resolve(None, "tpu", lengths=(96,), ring=True, dtype=jnp.float32, segment_ids=True, what="") == "xla"
 
 
+_PACKED_REF = {}
+
+
+def _packed_reference(cfg, batch):
+    """One device's 2 steps on the packed batch (the same for both strategies: computed once)."""
+    if "ref" not in _PACKED_REF:
+        _PACKED_REF["ref"] = train(one_device_mesh(), "dp", cfg=cfg, batch=batch, steps=2)[:2]
+    return _PACKED_REF["ref"]
+
+
 @pytest.mark.parametrize("name", ["cp_zigzag", "cp_ulysses"])
 def test_packed_documents_train_under_splash_as_on_one_device(name, monkeypatch):
     """A packed batch (documents cut inside ring blocks) through the GPT: 2 SGD steps under the strategy with
@@ -152,7 +162,7 @@ def test_packed_documents_train_under_splash_as_on_one_device(name, monkeypatch)
     toks = np.random.default_rng(1).integers(0, TINY.vocab_size, (2, S + 1))
     seg = np.repeat(np.arange(5, dtype=np.int32), [90, 130, 70, 200, 22])[None].repeat(2, 0)
     batch = {"inputs": toks[:, :-1].astype(np.int32), "targets": toks[:, 1:].astype(np.int32), "segment_ids": seg}
-    ref_losses, ref_params, _, _ = train(one_device_mesh(), "dp", cfg=cfg, batch=batch, steps=2)
+    ref_losses, ref_params = _packed_reference(cfg, batch)
     mesh = sk.make_mesh("seq=2", jax.devices()[:2])
     strategy = sk.strategy(name)
     strategy = strategy.replace(kernels={**strategy.kernels, "attention_block": "splash"})

@@ -330,6 +330,17 @@ def test_packed_documents_match_one_device():
     assert_params_close(params, ref_params, rtol=1e-5)
 
 
+def test_a_jax_make_mesh_default_trains_cp_zigzag_like_one_device(reference):
+    """jax.make_mesh's Explicit axes, taken as Auto (shardkit/mesh.py auto_axes), under a context-parallel kernel."""
+    axes = sk.mesh.parse_spec(MESHES["cp_zigzag"])
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # said once per mesh shape (tests/test_parity.py checks it)
+        losses, params, _, _ = train(mesh, "cp_zigzag", batch=laid_out(make_batch(), "cp_zigzag", mesh))
+    np.testing.assert_allclose(losses, reference[0], rtol=LOSS_RTOL)
+    assert_params_close(params, reference[1], rtol=1e-5)
+
+
 def test_microbatches_vmap_the_kernels_and_match_one_device(reference):
     mesh = sk.make_mesh(MESHES["cp_usp"])
     losses, params, _, _ = train(mesh, "cp_usp", batch=laid_out(make_batch(), "cp_usp", mesh), microbatches=2)

@@ -117,6 +117,21 @@ def test_strategy_matches_one_device(name, reference):
     assert_params_close(params, ref_params, rtol=RTOL64)
 
 
+@pytest.mark.parametrize("name", ["dp", "fsdp", "tp", "fsdp_tp"])
+def test_jax_make_mesh_default_trains_at_parity(name, reference, monkeypatch):
+    """A mesh made the way JAX's and Flax's guides make one (Explicit axes) trains like sk.make_mesh's Auto axes:
+    taken as the same devices and names with Auto axes, said once (UserWarning)."""
+    axes = sk.mesh.parse_spec(MESHES[name])
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes))
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}, "jax.make_mesh's default is what is tested"
+    monkeypatch.setattr(sk.mesh, "_SAID_AUTO", set())
+    with pytest.warns(UserWarning, match="Explicit") as said:
+        losses, params, _, _ = train64(mesh, name)
+    assert len([w for w in said if "Explicit" in str(w.message)]) == 1, "said once, not per call"
+    np.testing.assert_allclose(losses, reference[0], rtol=RTOL64)
+    assert_params_close(params, reference[1], rtol=RTOL64)
+
+
 def test_fp32_training_matches_one_device_within_fp32_rounding(reference32):
     ref_losses, ref_params = reference32
     losses, params, _, _ = train(sk.make_mesh(MESHES["dp_fsdp_tp"]), "dp_fsdp_tp")
