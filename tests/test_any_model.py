@@ -330,10 +330,10 @@ def test_a_model_annotated_with_mesh_axes_trains_under_named_strategies(strategy
         for a in ((e,) if isinstance(e, str) else e)
     }
     assert used == set(sharded), used
-    report = sk.explain(got[2], got[2].abstract_state(), token_batch())
-    replicated = {"fsdp", "tensor"} - set(sharded)
-    assert any(f"mesh axis names this strategy does not shard parameters over ({', '.join(sorted(replicated))})" in n
-               for n in report.notes), report.notes  # fmt: skip
+    if strategy == "fsdp":  # explain names what stays replicated (one compile is enough to check the note)
+        report = sk.explain(got[2], got[2].abstract_state(), token_batch())
+        assert any("mesh axis names this strategy does not shard parameters over (tensor)" in n
+                   for n in report.notes), report.notes  # fmt: skip
 
 
 def _param_bytes(state):
