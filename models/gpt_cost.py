@@ -243,7 +243,7 @@ def num_params(cfg: Any) -> int:
 
 def activation_bytes(
     cfg: Any, tokens: int, seq_len: int, embed_split: int, head_split: int, nbytes: int = 2, backend: str = "cpu",
-    scores: bool = True, fused: bool = False,
+    attention: str = "scores",
 ) -> float:  # fmt: skip
     """Saved activations of one block for `tokens` tokens on one device, our layer (no dropout, SwiGLU, GQA, RoPE).
 
@@ -257,13 +257,13 @@ def activation_bytes(
     5as bytes at 2 bytes per value; ours at f = 4e, k = n, nbytes = 2: 66e + 11ns + 8hd
     (33 values of e at 2 bytes).
 
-    `backend="tpu"`: `gpt_tpu_cost.block_bytes` (bf16 matmul operands, no exp kept; `scores=False`: the ring
-    kernel's residuals, no [s, s] term; `fused`: splash's residuals).
+    `backend="tpu"`: `gpt_tpu_cost.block_bytes` (bf16 matmul operands, no exp kept); `attention` there: "scores"
+    (XLA's dense attention), "ring" (the ring kernel's residuals, no [s, s] term) or "fused" (splash's residuals).
     """
     c = _cfg(cfg)
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
     if backend == "tpu":  # as the TPU program's layer loop carries them (models/gpt_tpu_cost.py)
-        return gpt_tpu_cost.block_bytes(c, tokens, seq_len, embed_split, head_split, nbytes, scores, fused)
+        return gpt_tpu_cost.block_bytes(c, tokens, seq_len, embed_split, head_split, nbytes, attention)
     values = 5 * e / embed_split + ((n + 2 * k) * hd + n * hd + 6 * f) / head_split
     scores = (4 + 4 + nbytes + 1) * n * seq_len / head_split
     return tokens * (values * nbytes + scores + 2 * hd * 4)
@@ -299,12 +299,12 @@ def memory(
     gradient, 64 MiB). Where the block weights are not gathered per layer (every strategy but the fsdp family),
     + their bf16 copy, `lo` x the device's block matrices, made once before the layer loops (the [L, ...] bf16
     stacks in the loops' tuples: dp 32 MiB, tp3d 7.5 MiB, cp 32 MiB). Strategy "cp" (TPU only): the ring kernel's
-    blocks (`activation_bytes(scores=False)`) over data x seq, the parameters replicated.
+    blocks (`activation_bytes(attention="ring")`) over data x seq, the parameters replicated.
     Not itemised (the misses, experiments/bench/results/bench_targets.json): the backward's working set where the
     TPU program keeps it in HBM (tp3d: one block's worth; dp: about 100 MiB), the ring kernel's mask tiles and
     its backward's buffers (cp).
     `fused_attention` (TPU: the attention block kernel is splash or flash, shardkit/attention/blocks.py): the block
-    keeps the kernel's residuals as the ring does (`scores=False`) and the backward's working set is the kernel's,
+    keeps the kernel's residuals (`attention="fused"`) and the backward's working set is the kernel's,
     on chip.
     """
     c = _cfg(cfg)
@@ -313,7 +313,7 @@ def memory(
     tpu = backend == "tpu"
     if strategy == "cp" and tpu:
         psi, tokens = num_params(cfg), global_batch / d * seq_len / mesh.get("seq", 1)
-        block = activation_bytes(cfg, tokens, seq_len, 1, 1, nbytes, backend, scores=False)
+        block = activation_bytes(cfg, tokens, seq_len, 1, 1, nbytes, backend, attention="ring")
         remat = remat or _default_remat(cfg)
         acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, 1, 1, nbytes, block) - block
         acts += tokens * c["vocab_size"] * 4 * 2 + c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
@@ -333,7 +333,7 @@ def memory(
     remat = remat or _default_remat(cfg)
     fused = tpu and fused_attention
     block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes, "tpu" if tpu else "cpu",
-                             fused=fused)  # fmt: skip
+                             attention="fused" if fused else "scores")  # fmt: skip
     acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, embed_split, head_split, nbytes, block)
     if tpu:  # the backward's working set on chip (unless too large); the bf16 copy of the unsplit block weights
         in_hbm = not fused and gpt_tpu_cost.working_set_in_hbm(c["num_heads"], tokens, seq_len, head_split, nbytes)

@@ -148,7 +148,8 @@ def memory(
     if tpu:  # the dispatched tokens as the experts' bf16 operands; the masks in fp32 and as the einsums' bf16 operands
         dispatched, masks = dispatched * lo / nbytes, masks * (4 + lo) / 4
     fused = tpu and fused_attention  # splash's residuals, its working set on chip (gpt_cost.memory)
-    dense = activation_bytes(active, tokens, seq_len, 1, 1, nbytes, "tpu" if tpu else "cpu", fused=fused)
+    dense = activation_bytes(active, tokens, seq_len, 1, 1, nbytes, "tpu" if tpu else "cpu",
+                             attention="fused" if fused else "scores")  # fmt: skip
     block = dense + dispatched + masks
     base, names = remat.partition(":")[0], remat_names(remat)
     hidden = tokens * active.mlp_dim * nbytes  # one [tokens, k f] tensor of the active experts

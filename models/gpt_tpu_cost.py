@@ -103,8 +103,7 @@ def block_bytes(
     es: int,
     hs: int,
     nbytes: int,
-    scores: bool = True,
-    fused: bool = False,
+    attention: str = "scores",
 ) -> float:
     """One block's residuals as the TPU program's layer scan carries them from the forward to the backward (the
     residual stacks [L, ...] in the forward loop's tuple, read in `compiled.as_text()`; GPT 4 x 512 fp32, seq 1024 on
@@ -113,18 +112,18 @@ def block_bytes(
     2e at `lo` (the two RMSNorm outputs, the projections' inputs), q, k, v and the attention output at `lo`, 5f at
     `nbytes` + f at `lo` (the SwiGLU product, the down projection's input), per head and key the scores at `nbytes`
     and the probabilities at `lo` (6 bytes, not 13: the exp is not kept, the causal mask is one [s, s] buffer on
-    chip), no RoPE tables (on chip). `scores=False` (the ring kernel, cp_*; its forward loop's tuple, same GPT on
-    data=2, seq=4): no [s, s] term, q and the attention output at `nbytes` (the kernel's own residuals; k and v at
-    `lo`), the log-sum-exp (4 bytes per head) on chip. `fused` (dense attention by splash, blocks.py; fsdp, GPT
-    2 x 256 fp32, seq 1024, read from the layer loop's tuple to the byte): splash's residuals, q, k, v and its
-    output at `nbytes` in the kernel's layout, the output again at `lo` (the output projection's operand), the lse
-    (4 bytes a head) on chip."""
+    chip), no RoPE tables (on chip): `attention="scores"` (XLA's dense attention). `"ring"` (the ring kernel, cp_*;
+    its forward loop's tuple, same GPT on data=2, seq=4): no [s, s] term, q and the attention output at `nbytes` (the
+    kernel's own residuals; k and v at `lo`), the log-sum-exp (4 bytes per head) on chip. `"fused"` (dense attention
+    by splash, blocks.py; fsdp, GPT 2 x 256 fp32, seq 1024, read from the layer loop's tuple to the byte): splash's
+    residuals, q, k, v and its output at `nbytes` in the kernel's layout, the output again at `lo` (the output
+    projection's operand), the lse (4 bytes a head) on chip."""
     e, n, k, hd, f = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"]
     lo = min(nbytes, 2)
     kept = (4 * e / es + 5 * f / hs) * nbytes + (2 * e / es + f / hs) * lo
-    if fused:  # splash's residuals: q, k, v, o at nbytes; o at lo for the output projection
+    if attention == "fused":  # splash's residuals: q, k, v, o at nbytes; o at lo for the output projection
         attn = (2 * (n + k) * hd * nbytes + n * hd * lo) / hs
-    elif scores:  # q, k, v, attention output as bf16 operands; scores fp32 + probabilities bf16
+    elif attention == "scores":  # q, k, v, attention output as bf16 operands; scores fp32 + probabilities bf16
         attn = ((n + 2 * k) * hd + n * hd) / hs * lo + (nbytes + lo) * n * seq_len / hs
     else:  # the ring kernel: q and its output at nbytes, k and v at lo
         attn = (2 * n * hd * nbytes + 2 * k * hd * lo) / hs

@@ -262,7 +262,7 @@ class Report:
         return path
 
 
-def _idle_mesh_axis_names(step: Any) -> tuple[list[str], int, int] | None:
+def _idle_mesh_axis_names(step: Any, params: Any) -> tuple[list[str], int, int] | None:
     """(mesh axis names used as logical names that the strategy's parameter rules replicate, how many parameters
     carry one, their bytes) — None if there are none."""
     bound, names = getattr(step, "bound", None), getattr(step, "param_names", None)
@@ -270,8 +270,8 @@ def _idle_mesh_axis_names(step: Any) -> tuple[list[str], int, int] | None:
         return None
     idle_axes = {a for a in MESH_AXES if a in bound.param_rules and bound.param_rules[a] is None}
     found, count, nbytes = set(), 0, 0
-    shapes = jax.tree.leaves(step.abstract_state().params) if hasattr(step, "abstract_state") else []
-    for leaf_names, sds in zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)), shapes, strict=False):
+    for leaf_names, sds in zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(params),
+                               strict=False):  # fmt: skip
         hit = idle_axes.intersection(n for n in leaf_names if isinstance(n, str))
         if hit:
             found |= hit
@@ -357,7 +357,7 @@ def explain(
         notes.append(f"{len(whole)} parameters have no logical names and are replicated on every device "
                      f"({sum(b for *_, b in whole) / 2**20:.2f} MiB each): {shown}; name them "
                      "(nnx.with_partitioning) to shard them, or strict_names=True to refuse them")  # fmt: skip
-    idle = _idle_mesh_axis_names(step)
+    idle = _idle_mesh_axis_names(step, state.params)
     if idle:
         notes.append(f"{idle[1]} parameters ({idle[2] / 2**20:.2f} MiB) are annotated with mesh axis names this "
                      f"strategy does not shard parameters over ({', '.join(idle[0])}): replicated along those "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -190,6 +191,24 @@ def unnamed_splits(
         if degree > 1 and nbytes >= min_bytes and dims:
             out[path] = (max(dims, key=lambda d: (shape[d], -d)), axes)
     return out
+
+
+def warn_idle_parameter_axes(strategy: str, shardings: Any, rules: Rules, mesh: Mesh, abs_params: Any) -> None:
+    """Warns where a mesh axis the strategy rests parameters on (a rule other than a mesh axis's own name) shards none
+    of this model's: the axis still splits the batch, but every parameter byte is replicated along it (fsdp over a
+    model whose every parameter carries names the table replicates; an ep strategy over a model with no experts)."""
+    used = {a for s in jax.tree.leaves(shardings) for e in s.spec if e for a in ((e,) if isinstance(e, str) else e)}
+    meant = {a for name, axes in rules.items() if axes != (name,) for a in (axes or ()) if mesh.shape.get(a, 1) > 1}
+    total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abs_params))
+    for axis in sorted(meant - used):
+        warnings.warn(
+            f"strategy {strategy!r} rests parameters on mesh axis {axis!r} (size {mesh.shape[axis]}), but no parameter "
+            f"of this model is sharded over it: all {total / 2**20:.2f} MiB are replicated along it (it still splits "
+            "the batch). Give the parameters names the strategy shards, or path rules "
+            "(Strategy.extend(path_rules=...)), or use a strategy without it",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def state_shardings(

@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -68,6 +66,7 @@ from shardkit.init import (
     state_shardings,
     unnamed_parameters,
     unnamed_splits,
+    warn_idle_parameter_axes,
 )
 from shardkit.mesh import auto_axes
 from shardkit.rules import compiling_for, flax_rules, logical_to_spec, use_rules
@@ -173,7 +172,7 @@ class TrainStep(abc.ABC):
         self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys
         abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         self.set_param_layout(abs_params)
-        self._say_idle_parameter_axes(mesh, abs_params)
+        warn_idle_parameter_axes(self.strategy.name, self.param_shardings, self.bound.param_rules, mesh, abs_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.opt_shardings = optax.tree_utils.tree_map_params(
             optimizer,
@@ -195,25 +194,6 @@ class TrainStep(abc.ABC):
         self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
         self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
         self.setup()
-
-    def _say_idle_parameter_axes(self, mesh: Mesh, abs_params: Any) -> None:
-        """Warns where a mesh axis the strategy rests parameters on shards none of this model's: the axis still
-        splits the batch, but every parameter byte is replicated along it (fsdp over a model whose every parameter
-        carries names the table replicates)."""
-        specs = [s.spec for s in jax.tree.leaves(self.param_shardings)]
-        used = {a for spec in specs for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
-        meant = {a for name, axes in self.bound.param_rules.items() if axes != (name,)  # a mesh axis's own name:
-                 for a in (axes or ()) if mesh.shape.get(a, 1) > 1}  # fmt: skip  # what the model names, not a rule
-        total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abs_params))
-        for axis in sorted(meant - used):
-            warnings.warn(
-                f"strategy {self.strategy.name!r} rests parameters on mesh axis {axis!r} (size {mesh.shape[axis]}), "
-                f"but no parameter of this model is sharded over it: all {total / 2**20:.2f} MiB are replicated along "
-                "it (it still splits the batch). Give the parameters names the strategy shards, or path rules "
-                "(Strategy.extend(path_rules=...)), or use a strategy without it",
-                UserWarning,
-                stacklevel=4,
-            )
 
     def _check_every_axis_shards_something(self, model: nnx.Module, rest: Any) -> None:
         """Refuses a mesh axis (size > 1) that the strategy maps only to logical names this model's parameters,

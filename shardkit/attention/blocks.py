@@ -58,6 +58,24 @@ def _fits_splash(lengths: tuple[int, ...]) -> bool:
     return all(n % LANES == 0 for n in lengths)
 
 
+def ring_blocks(c: int, layout: str, n: int) -> tuple[tuple[int, ...], bool]:
+    """(the block lengths a ring of `n` ranks holding `c` tokens each gives its kernel, whether a pair needs a
+    strictly causal mask): a zigzag pair may be half a block (ring_fused.plans); a striped block from a later rank
+    keeps k < q."""
+    lengths = (c, c // 2) if layout == "zigzag" and n > 1 else (c,)
+    return lengths, layout == "striped" and n > 1
+
+
+def dense_keeps_xla(rules: Any, mesh: Any) -> bool:
+    """Whether `auto` leaves dense attention to GSPMD: the sequence is sharded (a fused kernel needs it whole), or a
+    mesh axis (`mesh`: {axis: size}) shards neither batch nor heads, over which the fused kernel's `shard_map` would
+    all-reduce dq, dk, dv in its backward (tp3d's `col`: +96 MiB a step, 14% of its collectives, measured)."""
+    if any(mesh.get(a, 1) > 1 for a in rules.get("seq") or ()):
+        return True
+    used = {a for name in ("batch", "heads") for a in (rules.get(name) or ())}
+    return any(n > 1 and a not in used for a, n in mesh.items())
+
+
 def resolve(
     name: str | None, platform: str, *, lengths: tuple[int, ...], ring: bool, dtype: Any, segment_ids: bool,
     what: str, devices: int = 1, strict: bool = False,
@@ -83,7 +101,7 @@ def resolve(
             return "splash"
         if gpu and ring and _fits_splash(lengths) and not segment_ids and not strict:
             return "pallas_gpu"
-        if gpu and not ring and jnp.dtype(dtype).name in ("bfloat16", "float16") and not segment_ids:
+        if gpu and not ring and jnp.dtype(dtype).name in CUDNN_DTYPES and not segment_ids:
             return "cudnn"
         return "xla"
     if ring and name not in MERGEABLE:
@@ -102,23 +120,17 @@ def resolve(
                 f"{what}: attention_block={name} inside a ring cannot take {cannot}; use attention_block=xla there "
                 "(or cp_zigzag, whose blocks it takes)"
             )
-        if not _fits_splash(lengths):
-            raise ShardkitError(
-                f"{what}: attention_block={name} takes blocks whose lengths are multiples of {LANES}; these are "
-                f"{lengths} tokens: use a longer sequence or attention_block=xla"
-            )
-    if name in TPU_KERNELS:
-        if gpu:
-            raise ShardkitError(
-                f"{what}: attention_block={name} is a Mosaic TPU kernel and this program is compiled for {platform!r} "
-                "devices; use attention_block=cudnn (dense, ulysses) or xla"
-            )
-        if not _fits_splash(lengths):
-            raise ShardkitError(
-                f"{what}: attention_block={name} takes blocks whose lengths are multiples of {LANES} (Mosaic's lane "
-                f"width); these are {lengths} tokens: use a sequence whose per-rank blocks are multiples of {LANES} "
-                "(zigzag: each half), or attention_block=xla"
-            )
+    if name in TPU_KERNELS and gpu:
+        raise ShardkitError(
+            f"{what}: attention_block={name} is a Mosaic TPU kernel and this program is compiled for {platform!r} "
+            "devices; use attention_block=cudnn (dense, ulysses) or xla"
+        )
+    if name in TPU_KERNELS + GPU_KERNELS and not _fits_splash(lengths):
+        raise ShardkitError(
+            f"{what}: attention_block={name} takes blocks whose lengths are multiples of {LANES} (the kernels' tile); "
+            f"these are {lengths} tokens: use a sequence whose per-rank blocks are multiples of {LANES} (zigzag: "
+            "each half), or attention_block=xla"
+        )
     if name == "flash" and interpreting(platform) and devices > 1:
         raise ShardkitError(
             f"{what}: attention_block=flash on {platform!r} devices runs in Pallas's TPU interpreter, which does not "
@@ -134,13 +146,6 @@ def resolve(
                 f"{', segment ids' if segment_ids else ''}); use attention_block=xla"
             )
     return name
-
-
-def unmapped_axes(rules: Any, mesh: Any) -> list[str]:
-    """Mesh axes of size > 1 (`mesh`: {axis: size}) that shard neither the batch nor the heads under `rules`: a
-    `shard_map` over batch and heads leaves them unmentioned, and its backward all-reduces over them."""
-    used = {a for name in ("batch", "heads") for a in (rules.get(name) or ())}
-    return [a for a, n in mesh.items() if n > 1 and a not in used]
 
 
 def inside_shard_map() -> bool:
@@ -159,19 +164,18 @@ def planned(strategy: Any, mesh: Any, seq_len: int, platform: str) -> str:
     name, attention = st.kernels.get("attention_block", "auto"), st.kernels.get("attention", "dense")
     if st.kernels.get("layers", "scan") != "scan" or st.traits().step != "gspmd":
         return "xla" if name == "auto" else name  # the layers run inside a shard_map (`inside_shard_map`)
-    ring, lengths = False, (seq_len,)
+    ring, lengths, strict = False, (seq_len,), False
     kind, _, option = attention.partition(":")
-    layout = option.partition(":")[0] or "contiguous"
     if kind in ("ring", "usp"):
         n = mesh.get("seq" if kind == "ring" else "seq_r", 1)
-        c = seq_len // max(n, 1)
-        ring, lengths = n > 1, ((c, c // 2) if layout == "zigzag" and n > 1 else (c,))
+        ring, (lengths, strict) = n > 1, ring_blocks(seq_len // max(n, 1), option.partition(":")[0] or "contiguous", n)
     elif kind == "dense" and name == "auto":
         rules = {k: tuple(a for a in (v or ()) if a in mesh) for k, v in st.compute_rules.items()}
-        if any(mesh.get(a, 1) > 1 for a in rules.get("seq", ())) or unmapped_axes(rules, mesh):
-            return "xla"  # dense attention over a sharded sequence, or an axis its shard_map would not map
+        if dense_keeps_xla(rules, mesh):
+            return "xla"
     try:
-        return resolve(name, platform, lengths=lengths, ring=ring, dtype=jnp.float32, segment_ids=False, what="")
+        return resolve(name, platform, lengths=lengths, ring=ring, dtype=jnp.float32, segment_ids=False, what="",
+                       strict=strict)  # fmt: skip
     except ShardkitError:
         return name  # an explicit kernel that cannot run here: the step itself refuses it, with the reason
 
@@ -187,9 +191,8 @@ def interpreting(platform: str, kernel: str = "splash") -> bool:
     return platform not in GPU_PLATFORMS if kernel in GPU_KERNELS else platform != "tpu"
 
 
-def block_size(length: int, interpret: bool) -> int:
-    """The splash tile along a block of `length` tokens: the largest multiple of 128 dividing it, at most 512."""
-    del interpret
+def block_size(length: int) -> int:
+    """The Pallas kernels' tile along a block of `length` tokens: the largest multiple of 128 dividing it, <= 512."""
     return max(b for b in range(LANES, min(SPLASH_BLOCK, length) + 1, LANES) if length % b == 0)
 
 
@@ -206,7 +209,7 @@ def splash_kernel(mask: str, heads: int, lq: int, lk: int, interpret: bool, resi
 
     offset = 0 if mask == "causal" else -1  # strict: k < q
     one = sm.FullMask((lq, lk)) if mask == "full" else sm.CausalMask((lq, lk), offset=offset)
-    bq, bk = block_size(lq, interpret), block_size(lk, interpret)
+    bq, bk = block_size(lq), block_size(lk)
     sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                           block_kv_dkv_compute=bk, use_fused_bwd_kernel=True)  # fmt: skip
     with jax.ensure_compile_time_eval():  # its mask tables are constants, never tracers of the step being traced
@@ -385,7 +388,7 @@ def local_attention(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: An
 
         g = h // kv
         kh, vh = (jnp.moveaxis(jnp.repeat(x, g, axis=2), 1, 2) for x in (k, v))  # MHA only: kv heads repeated
-        t = block_size(s, interpret)
+        t = block_size(s)
         sizes = fa.BlockSizes(block_q=t, block_k_major=t, block_k=t, block_b=1, block_q_major_dkv=t,
                               block_k_major_dkv=t, block_k_dkv=t, block_q_dkv=t, block_k_major_dq=t, block_k_dq=t,
                               block_q_dq=t)  # fmt: skip

@@ -61,14 +61,12 @@ def _float64_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, m
 def _dense_from_context(q, k, v, *, causal: bool, segment_ids: Any, context: Any) -> jax.Array:
     """Dense attention inside a train step: by the block kernel the strategy names (`attention_block`, blocks.py;
     auto: from the mesh's devices), a fused one inside a `shard_map` over the batch and head axes (a Mosaic kernel
-    cannot be partitioned by GSPMD), else `dense_attention` under GSPMD. `auto` keeps GSPMD's where a mesh axis
-    shards neither the batch nor the heads (tp3d's `col`): the `shard_map`'s backward would all-reduce the q, k, v
-    gradients over it (measured under tp3d: +96 MiB of all-reduce over col a step, 14% of its collectives)."""
+    cannot be partitioned by GSPMD), else `dense_attention` under GSPMD (`auto`: where `blocks.dense_keeps_xla`)."""
     if context is None:
         return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     named = blocks.named()
     seq_sharded = bool(context.rules.get("seq"))
-    if named == "xla" or (named == "auto" and (seq_sharded or blocks.unmapped_axes(context.rules, context.mesh.shape))):
+    if named == "xla" or (named == "auto" and blocks.dense_keeps_xla(context.rules, dict(context.mesh.shape))):
         return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     what = "dense attention"
     kernel = blocks.resolve(named, compile_platform(context.mesh), lengths=(q.shape[1],), ring=False, dtype=q.dtype,

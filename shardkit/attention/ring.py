@@ -39,7 +39,7 @@ from shardkit.attention.chunking import chunk_size as chunk_size  # re-exported:
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
 from shardkit.attention.ring_fused import fused_ring_local
-from shardkit.attention.ring_loop import RingConfig, prepare, ring_loop
+from shardkit.attention.ring_loop import RingConfig, lse_vjp, prepare, ring_loop
 from shardkit.rules import ShardingContext, compile_platform
 
 #: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on
@@ -239,17 +239,6 @@ def ring_local(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: A
     return fused_ring_local(cfg, q, k, v, seg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def scan_local(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> jax.Array:
-    """`ring_local` by the chunked scan (attention_block=xla)."""
-    return _forward(cfg, q, k, v, seg)[0]
-
-
-def _ring_fwd(cfg: RingConfig, q, k, v, seg) -> tuple:
-    o, lse = _forward(cfg, q, k, v, seg)
-    return o, (q, k, v, seg, o, lse)
-
-
 def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
     q, k, v, seg, o, lse = res
     rank, qpos, scale = prepare(cfg, q)
@@ -279,7 +268,8 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
     return dq, _kv_back(dk).astype(k.dtype), _kv_back(dv).astype(v.dtype), None  # dk has the scale via q
 
 
-scan_local.defvjp(_ring_fwd, _ring_bwd)
+#: `ring_local` by the chunked scan (attention_block=xla)
+scan_local = lse_vjp(_forward, _ring_bwd)
 
 
 def mesh_platform(mesh: Mesh) -> str:
@@ -291,21 +281,11 @@ def mesh_platform(mesh: Mesh) -> str:
 
 def ring_block(block: str | None, platform: str, c: int, layout: str, n: int, dtype: Any, segments: bool,
                what: str, devices: int = 1) -> str:  # fmt: skip
-    """The block kernel a ring of `n` ranks holding `c` tokens each runs (`blocks.resolve`): a zigzag pair may be
-    half a block long; a ring of one is local attention (no lse merge)."""
-    lengths = (c, c // 2) if layout == "zigzag" and n > 1 else (c,)
-    strict = layout == "striped" and n > 1  # a block from a later rank: keys strictly before the queries
-    return blocks.resolve(
-        block,
-        platform,
-        lengths=lengths,
-        ring=n > 1,
-        dtype=dtype,
-        segment_ids=segments,
-        what=what,
-        devices=devices,
-        strict=strict,
-    )
+    """The block kernel a ring of `n` ranks holding `c` tokens each runs (`blocks.resolve`; a ring of one is local
+    attention, no lse merge)."""
+    lengths, strict = blocks.ring_blocks(c, layout, n)
+    return blocks.resolve(block, platform, lengths=lengths, ring=n > 1, dtype=dtype, segment_ids=segments,
+                          what=what, devices=devices, strict=strict)  # fmt: skip
 
 
 def ring_attention(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardkit.attention import blocks
-from shardkit.attention.ring_loop import prepare, ring_loop
+from shardkit.attention.ring_loop import lse_vjp, prepare, ring_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +58,13 @@ def plans(layout: str, n: int, c: int, causal: bool) -> tuple[Plan | None, Plan 
     return same, same, Plan("strict", ALL, ALL)  # striped
 
 
-def _relation(rank: Any, source: Any) -> Any:
-    """0, 1, 2: the key block's rank is before, at, after the query's."""
-    return (jnp.sign(source - rank) + 1).astype(jnp.int32)
+def _by_plan(cfg: Any, c: int, rank: Any, t: Any, fn: Any, carry: Any, *block: Any) -> Any:
+    """fn(carry, plan, *block) for ring step t's block (from rank (rank - t) mod N), under the plan of its relation to
+    this rank (before, at, after: `plans`); the carry unchanged where the plan is None (nothing visible)."""
+    relation = (jnp.sign((rank - t) % cfg.n - rank) + 1).astype(jnp.int32)
+    branches = [(lambda a: a) if p is None else functools.partial(lambda a, p: fn(a, p, *block), p=p)
+                for p in plans(cfg.layout, cfg.n, c, cfg.causal)]  # fmt: skip
+    return lax.switch(relation, branches, carry)
 
 
 def _heads(q: jax.Array, kv: int) -> jax.Array:
@@ -102,30 +105,16 @@ def _forward(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tu
         return o_acc.at[..., plan.rows, :].set(o), lse_acc.at[..., plan.rows].set(new)
 
     def step(t: jax.Array, travelling: tuple, acc: tuple) -> tuple:
-        k, v, kseg = travelling
-        branches = [(lambda a: a) if p is None else functools.partial(merge, plan=p, k=k, v=v, kseg=kseg)
-                    for p in plans(cfg.layout, cfg.n, c, cfg.causal)]  # fmt: skip
-        return (), lax.switch(_relation(rank, (rank - t) % cfg.n), [lambda a, f=f: f(a) for f in branches], acc)
+        return (), _by_plan(cfg, c, rank, t, merge, acc, *travelling)
 
     _, (o, lse) = ring_loop(cfg, step, (_kv(k), _kv(v), seg), acc)
     return _heads_back(o).astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_ring_local(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> jax.Array:
-    """Per-device body under a fused block kernel: q [b, c, heads, d], k, v [b, c, kv, d], seg [b, c] | None."""
-    return _forward(cfg, q, k, v, seg)[0]
-
-
-def _fused_fwd(cfg: Any, q, k, v, seg) -> tuple:
-    o, lse = _forward(cfg, q, k, v, seg)
-    return o, (q, k, v, seg, o, lse)
-
-
 def _fused_bwd(cfg: Any, res: tuple, do: jax.Array) -> tuple:
     q, k, v, seg, o, lse = res
-    kv, c, scale = k.shape[2], q.shape[1], 1.0 / math.sqrt(q.shape[3])
-    rank = lax.axis_index(cfg.axis) if cfg.axis is not None and cfg.n > 1 else 0
+    rank, _, scale = prepare(cfg, q)
+    kv, c = k.shape[2], q.shape[1]
     qh, oh, doh = _heads(q * jnp.asarray(scale, q.dtype), kv), _heads(o, kv), _heads(do, kv)
     interpret = blocks.interpreting(cfg.platform, cfg.block)
 
@@ -141,10 +130,7 @@ def _fused_bwd(cfg: Any, res: tuple, do: jax.Array) -> tuple:
 
     def step(t: jax.Array, travelling: tuple, dq: jax.Array) -> tuple:
         k, v, kseg, dk, dv = travelling
-        branches = [(lambda a: a) if p is None else functools.partial(grads, plan=p, k=k, v=v, kseg=kseg)
-                    for p in plans(cfg.layout, cfg.n, c, cfg.causal)]  # fmt: skip
-        dq, dk, dv = lax.switch(_relation(rank, (rank - t) % cfg.n), [lambda a, f=f: f(a) for f in branches],
-                                (dq, dk, dv))  # fmt: skip
+        dq, dk, dv = _by_plan(cfg, c, rank, t, grads, (dq, dk, dv), k, v, kseg)
         return (dk, dv), dq
 
     zeros_kv = lax.full_like(_kv(k), 0, jnp.float32)
@@ -154,4 +140,5 @@ def _fused_bwd(cfg: Any, res: tuple, do: jax.Array) -> tuple:
     return dq, _kv(dk).astype(k.dtype), _kv(dv).astype(v.dtype), None
 
 
-fused_ring_local.defvjp(_fused_fwd, _fused_bwd)
+#: per-device body under a fused block kernel: q [b, c, heads, d], k, v [b, c, kv, d], seg [b, c] | None
+fused_ring_local = lse_vjp(_forward, _fused_bwd)

@@ -55,3 +55,17 @@ def prepare(cfg: RingConfig, q: jax.Array) -> tuple:
     rank = lax.axis_index(cfg.axis) if cfg.axis is not None and cfg.n > 1 else 0
     qpos = block_positions(cfg.layout, cfg.n, rank, c)
     return rank, qpos, (1.0 / math.sqrt(d))
+
+
+def lse_vjp(forward: Any, backward: Any) -> Any:
+    """f(cfg, q, k, v, seg) -> o as a `custom_vjp` from `forward(cfg, q, k, v, seg) -> (o, lse)` and
+    `backward(cfg, (q, k, v, seg, o, lse), do) -> (dq, dk, dv, None)`: what a ring kernel saves is its inputs, its
+    output and the log-sum-exp of each query row, whichever block kernel computes them (ring.py, ring_fused.py)."""
+    fn = jax.custom_vjp(lambda cfg, q, k, v, seg: forward(cfg, q, k, v, seg)[0], nondiff_argnums=(0,))
+
+    def fwd(cfg: RingConfig, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tuple:
+        o, lse = forward(cfg, q, k, v, seg)
+        return o, (q, k, v, seg, o, lse)
+
+    fn.defvjp(fwd, backward)
+    return fn
