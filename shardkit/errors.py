@@ -40,3 +40,29 @@ def unbound_axis_name(error: NameError, model: Any) -> ShardkitError | None:
         f"dimension is already over the global batch, so drop axis_name={name!r} (the statistics are then one "
         "device's, exactly); for per-group statistics use the `norm` kernel slot (--config.kernels=norm=group)"
     )
+
+
+def sharding_mode_error(error: Exception, strategy: str, explicit: bool) -> ShardkitError | None:
+    """The ShardkitError for a model whose sharding mode is not the step's, raised by JAX while the loss is traced;
+    None for any other error.
+
+    - `explicit` (strategy 'annotated' on a mesh with Explicit axes: JAX's explicit sharding mode): JAX's
+      ShardingTypeError, an op whose result layout is ambiguous, as in a model written for GSPMD.
+    - Otherwise (the step took the mesh's axes as Auto): JAX's refusal of `out_sharding=` / `reshard` over Auto
+      axes, as in a model written in explicit mode."""
+    text = str(error).split("\n")[0]
+    if explicit and type(error).__name__ == "ShardingTypeError":
+        return ShardkitError(
+            f"strategy {strategy!r} on a mesh with Explicit axes runs the model in JAX's explicit sharding mode, "
+            f"where this op's layout is ambiguous: {text}. Give it out_sharding=... (explicit mode), or let GSPMD "
+            "choose: the same mesh with Auto axes, sk.make_mesh('data=2,fsdp=4') or jax.make_mesh(..., "
+            "axis_types=(jax.sharding.AxisType.Auto,) * n)"
+        )
+    if not explicit and "of type Auto" in text and ("PartitionSpec" in text or "reshard" in text):
+        return ShardkitError(
+            f"the model is written in JAX's explicit sharding mode (out_sharding= / jax.sharding.reshard over mesh "
+            f"axes), but strategy {strategy!r} runs on Auto axes, where JAX refuses them: {text}. Train it under "
+            "strategy 'annotated' on a mesh with Explicit axes (jax.make_mesh's default), or drop the out_sharding= "
+            "and reshard calls so that the strategy's rules decide the layouts"
+        )
+    return None

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.errors import ShardkitError
-from shardkit.mesh import auto_axes
+from shardkit.mesh import step_mesh
 from shardkit.rules import Rules, named_sharding
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
@@ -264,8 +264,9 @@ def sharded_init(
     it has logical names, else it is replicated.
     """
     require_runnable(mesh, "sk.sharded_init")  # a target's devices: the abstract path instead, said so
-    mesh = auto_axes(mesh, "sk.sharded_init")  # jax.make_mesh's Explicit axes: the same mesh, Auto (said once)
-    bound = get_strategy(strategy).bind(mesh)
+    strategy = get_strategy(strategy)
+    mesh = step_mesh(mesh, strategy.explicit_axes, "sk.sharded_init")  # as make_train_step takes it
+    bound = strategy.bind(mesh)
     graphdef, abs_params, abs_rest = split_params(abstract_model(make_model, seed))
     shardings = (
         state_shardings(

@@ -142,11 +142,28 @@ def auto_axes(mesh: Mesh, what: str = "shardkit") -> Mesh:
             f"{what}: mesh axes {explicit} are Explicit (jax.make_mesh's default); shardkit's strategies choose "
             "every layout through their sharding rules, so this mesh's devices and axis names are used with Auto "
             "axes. To say so yourself: sk.make_mesh('data=2,fsdp=4') or jax.make_mesh(..., "
-            "axis_types=(jax.sharding.AxisType.Auto,) * n)",
+            "axis_types=(jax.sharding.AxisType.Auto,) * n); a model written in explicit mode (out_sharding=, "
+            "reshard) trains on Explicit axes under strategy 'annotated'",
             UserWarning,
             stacklevel=3,
         )
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def has_explicit_axes(mesh: Any) -> bool:
+    """Whether any of `mesh`'s axes is `AxisType.Explicit` (a step on it runs in JAX's explicit sharding mode)."""
+    return any(t == AxisType.Explicit for t in (getattr(mesh, "axis_types", None) or ()))
+
+
+def step_mesh(mesh: Mesh, explicit_axes: bool, what: str = "shardkit") -> Mesh:
+    """The mesh a step runs on: `mesh` itself where the strategy runs in explicit mode (`explicit_axes`, the
+    `annotated` strategy: the model's own `out_sharding=` and `reshard` calls decide), else `auto_axes(mesh)`."""
+    if not explicit_axes:
+        return auto_axes(mesh, what)
+    types = tuple(getattr(mesh, "axis_types", None) or ())
+    if any(t == AxisType.Manual for t in types):
+        auto_axes(mesh, what)  # refuses it, with the fix
+    return mesh
 
 
 def _multislice_mesh(axes: dict[str, int], tgt: Any) -> Mesh:

@@ -285,7 +285,20 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     sharding = named_sharding(names, ctx.rules, ctx.mesh, x.shape, what=f"activation {tuple(names)}")
     if _all_manual(ctx.mesh):  # inside a shard_map manual over every axis (and maybe a vmap): nothing to pin
         return x
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return pin(x, sharding)
+
+
+def pin(tree: Any, shardings: Any) -> Any:
+    """Each array of `tree` laid out as its sharding says, while traced: `with_sharding_constraint` on Auto axes
+    (GSPMD chooses), `jax.sharding.reshard` where the mesh has Explicit axes (explicit mode, where a constraint
+    would only assert the layout the array already has)."""
+
+    def one(x: Any, sharding: Any) -> Any:
+        if any(t == jax.sharding.AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ())):
+            return jax.sharding.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def _all_manual(mesh: Any) -> bool:

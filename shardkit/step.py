@@ -58,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit import batch as batching
 from shardkit import kernels, offload
 from shardkit.batch import Batch, BatchAxes
-from shardkit.errors import ShardkitError, unbound_axis_name
+from shardkit.errors import ShardkitError, sharding_mode_error, unbound_axis_name
 from shardkit.init import (
     is_key,
     split_params,
@@ -68,7 +68,7 @@ from shardkit.init import (
     unnamed_splits,
     warn_idle_parameter_axes,
 )
-from shardkit.mesh import auto_axes
+from shardkit.mesh import has_explicit_axes, step_mesh
 from shardkit.rules import compiling_for, flax_rules, logical_to_spec, use_rules
 from shardkit.strategies import Strategy
 from shardkit.strategies import strategy as get_strategy
@@ -144,8 +144,11 @@ class TrainStep(abc.ABC):
     ):
         if microbatches < 1:
             raise ShardkitError(f"microbatches={microbatches} must be >= 1")
-        mesh = auto_axes(mesh, "make_train_step")  # jax.make_mesh's Explicit axes: the same mesh, Auto (said once)
         self.strategy = get_strategy(strategy)
+        # jax.make_mesh's Explicit axes: explicit mode under a strategy that keeps them ('annotated'), else the same
+        # mesh with Auto axes (said once)
+        mesh = step_mesh(mesh, self.strategy.explicit_axes, "make_train_step")
+        self.explicit = has_explicit_axes(mesh)
         with compiling_for(mesh):  # kernel checks that depend on the platform ask the mesh's devices, not the host's
             kernels.check(self.strategy.kernels)
         self.bound = self.strategy.bind(mesh)
@@ -489,6 +492,8 @@ class TrainStep(abc.ABC):
                 out = self.loss_fn(model, batch)
             except NameError as e:  # JAX's "unbound axis name", raised while tracing: before XLA sees anything
                 raise (unbound_axis_name(e, model) or e) from None
+            except Exception as e:  # an explicit-mode model on Auto axes, or a GSPMD one in explicit mode
+                raise (sharding_mode_error(e, self.strategy.name, self.explicit) or e) from None
             new_state = self.unwrap_keys(nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
         loss, aux = out if isinstance(out, tuple) else (out, {})
         if not isinstance(aux, dict):

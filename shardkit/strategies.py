@@ -85,6 +85,10 @@ class Strategy:
     #: what rests in host memory between steps, brought to the devices by the step (ZeRO-Offload,
     #: shardkit/offload.py): () or any of "opt_state", "params" (a comma-separated string is accepted)
     offload: tuple[str, ...] = ()
+    #: on a mesh with Explicit axes (jax.make_mesh's default), run the model in JAX's explicit sharding mode: its
+    #: own `out_sharding=` / `jax.sharding.reshard` calls decide each layout (shardkit/mesh.py `step_mesh`). False:
+    #: the strategy's tables decide, and Explicit axes are taken as Auto ones (GSPMD), said once
+    explicit_axes: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", offload_names(self.offload))
@@ -361,7 +365,9 @@ register_strategy(
         "annotated",
         _rules(**_IDENTITY),
         _rules(batch=_DP_FSDP, **_IDENTITY),
-        description="the model's own annotations: a name that is a mesh axis shards over that axis, no rules table",
+        explicit_axes=True,  # an explicit-mode model (out_sharding=, reshard) on jax.make_mesh's mesh runs as written
+        description="the model's own annotations: a name that is a mesh axis shards over that axis, no rules table; "
+        "on a mesh with Explicit axes, JAX's explicit sharding mode (the model's out_sharding= and reshard calls)",
         collectives="what the annotations imply, partitioned by GSPMD (see explain)",
     )
 )

@@ -20,6 +20,7 @@ from shardkit.accumulate import accumulate, split_microbatches
 from shardkit.batch import Batch
 from shardkit.clipping import clip_by_global_norm, global_norm, norm_weights
 from shardkit.dispatch import make_train_step, register_step
+from shardkit.rules import pin
 from shardkit.step import TrainState, TrainStep
 
 
@@ -45,13 +46,15 @@ class GSPMDStep(TrainStep):
         A model with state besides parameters (BatchNorm statistics, dropout RNG counters) takes a plain scan
         instead, carrying that state from microbatch to microbatch as one device would: per-shard vmapping would
         give per-shard batch statistics and the same random bits on every shard. Its gradients are reduced once
-        per microbatch.
+        per microbatch. So does explicit mode (strategy 'annotated' on Explicit axes).
         """
         m = self.microbatches
         axes = self.bound.compute_rules.get("batch") or ()
         d = math.prod(self.mesh.shape[a] for a in axes)
         value_and_grad = jax.value_and_grad(self.apply, has_aux=True)
-        if self.has_model_state or d == 1:  # sequential, the state carried (shardkit/accumulate.py)
+        # sequential, the state carried (shardkit/accumulate.py); in explicit mode too: vmap refuses parameters
+        # whose Explicit sharding names the batch axes it maps over
+        if self.has_model_state or d == 1 or self.explicit:
             (loss, (aux, model_state)), grads = accumulate(value_and_grad, params, model_state, batch, m)
             return loss, aux, grads, model_state
 
@@ -72,7 +75,7 @@ class GSPMDStep(TrainStep):
 
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, first))
         unreduced = NamedSharding(self.mesh, PartitionSpec(axes))
-        zeros = jax.lax.with_sharding_constraint(zeros, jax.tree.map(lambda _: unreduced, zeros))
+        zeros = pin(zeros, jax.tree.map(lambda _: unreduced, zeros))
         total, _ = jax.lax.scan(add, zeros, micro)
         loss, aux, grads = jax.tree.map(lambda x: x.sum(axis=0) / (m * d), total)
         return loss, aux, grads, model_state
@@ -87,11 +90,12 @@ class GSPMDStep(TrainStep):
             loss, aux, grads, model_state = self._accumulate(params, state.model_state, batch)
         # Gradients take the optimizer state's layout: the parameters' for most strategies; for ZeRO-1 they are
         # reduce-scattered, the update runs on optimizer-state shards, and the new parameters are all-gathered.
-        grads = jax.lax.with_sharding_constraint(grads, self.update_shardings)
+        # (`pin`: a sharding constraint; on Explicit axes, the strategy 'annotated' in explicit mode, a reshard)
+        grads = pin(grads, self.update_shardings)
         updates, opt_state = self.tx.update(grads, self.opt_state_on_device(state.opt_state), params)
-        updates = jax.lax.with_sharding_constraint(updates, self.update_shardings)
-        params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), self.param_shardings)
-        model_state = jax.lax.with_sharding_constraint(model_state, self.model_state_shardings)
+        updates = pin(updates, self.update_shardings)
+        params = pin(optax.apply_updates(params, updates), self.param_shardings)
+        model_state = pin(model_state, self.model_state_shardings)
         metrics = {**aux, "loss": loss, "grad_norm": global_norm(grads)}
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new, metrics
