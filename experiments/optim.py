@@ -11,6 +11,14 @@ import optax
 import shardkit as sk
 
 
+def schedule_length(opt: ml_collections.ConfigDict, steps: int) -> tuple[int, int]:
+    """(warmup steps, schedule length) as `make_optimizer` resolves them: the length is optimizer.decay_steps or
+    `steps`, the warmup optimizer.warmup_steps or min(30, length // 10). A checkpoint records them, so that a resume
+    with another `steps` says that the schedule changes (experiments/train.py)."""
+    decay = opt.decay_steps or steps
+    return (opt.warmup_steps if opt.warmup_steps >= 0 else min(30, decay // 10)), decay
+
+
 def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup + cosine decay to lr * min_lr_ratio, global-norm clipping, no decay on norms.
 
@@ -35,8 +43,7 @@ def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.Gr
             want = {"lr": "> 0", "eps": ">= 0", "b1": "in [0, 1)", "b2": "in [0, 1)"}.get(key, ">= 0 (0 = off)")
             raise sk.ShardkitError(f"optimizer.{key}={opt[key]} must be finite and {want} (a negative learning "
                                    "rate or clip norm would train uphill)")  # fmt: skip
-    decay = opt.decay_steps or steps
-    warmup = opt.warmup_steps if opt.warmup_steps >= 0 else min(30, decay // 10)
+    warmup, decay = schedule_length(opt, steps)
     if not warmup < decay:
         raise sk.ShardkitError(
             f"optimizer.warmup_steps={warmup} must be < {decay} (the schedule length: optimizer.decay_steps or "

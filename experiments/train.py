@@ -38,6 +38,7 @@ import json
 import math
 import signal
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -49,15 +50,17 @@ import ml_collections
 import numpy as np
 import optax
 from absl import flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
-from experiments import auto, compile_only, runtime
+from experiments import auto, compile_only, resume, runtime, supervise
 from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
 from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)
-from shardkit.checkpoint import Checkpointer, NonFiniteError, SaveError
+from experiments.watchdog import Watchdog
+from shardkit.checkpoint import Checkpointer, NonFiniteError, SaveError, all_finite
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "gpt_tiny.py")
 with warnings.catch_warnings():  # ml_collections loads config files with the deprecated importlib load_module()
@@ -137,12 +140,22 @@ class _Stop:
         self.signal: int | None = None
         self._old: dict[int, Any] = {}
         self._extra = 0  # Ctrl-C presses after the first, before its checkpoint has committed
+        # several processes: SIGTERM is left to JAX's preemption notifier, so that every process stops at the same
+        # step (a checkpoint is collective); `at(k)` asks it
+        self.synced = jax.process_count() > 1 and _preemption_manager() is not None
 
     def __enter__(self) -> _Stop:
         with contextlib.suppress(ValueError):  # signal handlers only in the main thread
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGINT,) if self.synced else (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
+
+    def at(self, k: int) -> bool:
+        """Whether the run stops after step k: a signal here, or (several processes) a preemption every process
+        agrees stops at step k (`multihost_utils.reached_preemption_sync_point`, JAX's SIGTERM sync)."""
+        if self.synced and self.signal is None and multihost_utils.reached_preemption_sync_point(k):
+            self.signal = signal.SIGTERM
+        return self.signal is not None
 
     def _handle(self, sig: int, frame: Any) -> None:
         if self.signal == signal.SIGINT and sig == signal.SIGINT:
@@ -157,6 +170,23 @@ class _Stop:
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def _preemption_manager() -> Any:
+    """JAX's preemption sync manager (set up by jax.distributed.initialize), or None."""
+    from jax._src import distributed
+
+    return getattr(distributed.global_state, "preemption_sync_manager", None)
+
+
+def _injected_hang(k: int) -> None:
+    """Testing hook: SHARDKIT_INJECT_HANG="<step>[:<process>]" makes that process stop making progress before it
+    dispatches step <step> (a hung peer, for the watchdog's tests: tests/test_multiprocess.py)."""
+    spec = os.environ.get("SHARDKIT_INJECT_HANG", "")
+    if spec:
+        step, _, proc = spec.partition(":")
+        if int(step) == k and (not proc or int(proc) == jax.process_index()):
+            threading.Event().wait()  # forever: only the watchdog (or a kill) ends this process
 
 
 def _step_of(line: str) -> float:
@@ -250,15 +280,18 @@ def _since_process_start() -> float:
         return 0.0
 
 
+def multi_process(config: ml_collections.ConfigDict) -> bool:
+    """Whether this run joins several processes (`distributed`, JAX_COORDINATOR_ADDRESS, or a cluster's launcher)."""
+    return bool(config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env())
+
+
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """Trains (or resumes) the run `config` describes; returns a summary dict. Raises ShardkitError on bad config.
     `config.compile_only` (or a `target`, which needs it): compiles and reports instead (experiments/compile_only)."""
     if config.get("compile_only") or config.get("target"):
         return compile_only.run(config, print if jax.process_index() == 0 else lambda _: None, build)
-    if (config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env()) and not (
-        jax.distributed.is_initialized()
-    ):
-        init_distributed()
+    if multi_process(config) and not jax.distributed.is_initialized():
+        init_distributed(heartbeat_timeout_s=config.get("heartbeat_timeout", 60))
     if config.jax_cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
     main = jax.process_index() == 0
@@ -320,23 +353,8 @@ def _train(
         t_compile = time.perf_counter()
         compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
         say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
-    start = ckpt.latest_step()
-    if start is not None:
-        with warnings.catch_warnings(record=True) as seen:  # a damaged newest step: set aside, an older one restored
-            warnings.simplefilter("always")
-            state, meta = ckpt.restore(step.abstract_state())
-        for w in seen:
-            if "is damaged" in str(w.message):
-                say(f"warning: {w.message}")
-            else:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        start = int(state.step)
-        say(f"resumed from step {start} (saved under {meta.get('where', '?')}) in {ckpt.directory}")
-        if meta.get("seed", config.seed) != config.seed:
-            say(f"warning: seed {config.seed} differs from the run's {meta['seed']}: the data order changes here")
-    else:
-        model = sk.sharded_init(task.make_model, run.mesh, step.strategy, seed=config.seed)
-        state, start = step.init_state(model), 0
+    local = resume.emergency_checkpointer(config, run.dir)  # each process's own shards, every few steps
+    state, start = resume.start(config, run, ckpt, local, say)  # the newest checkpoint, else a fresh model
     mem = bytes_per_device((state.params, state.opt_state))
     temp, hbm = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0), info.pop("hbm")
     say(
@@ -352,9 +370,17 @@ def _train(
     val = task.val_batches(step)
     log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar, t0), None, None
     last_good = lambda: f"step {ckpt.latest_step()} in {ckpt.directory}"
+    every = resume.emergency_every(config)
+    status = dict(run_dir=str(run.dir), process=jax.process_index(), processes=jax.process_count(),
+                  checkpoints=str(ckpt.directory), checkpoint=ckpt.latest_step(), step=start,
+                  heartbeat_timeout=config.get("heartbeat_timeout", 60))  # fmt: skip
+    supervise.report(**status)  # the supervising parent's view (experiments/supervise.py), kept current
+    dog = Watchdog(config.get("watchdog", "auto"), run.dir / "logs", jax.process_index(),
+                   lambda: supervise.resume_from(status))  # fmt: skip
     try:
-        with _Stop() as stop:
+        with _Stop() as stop, dog:
             for s in range(start, config.steps):
+                _injected_hang(s + 1)
                 batch = task.train_batch(step, s)
                 state, metrics = compiled(
                     state, step.prepare(batch)
@@ -362,20 +388,30 @@ def _train(
                 ckpt.check()  # a background save that failed (disk full) stops the run here, last good step named
                 if pending:
                     log.emit(log.record(*pending, last_good()))
+                    dog.beat(pending[0])
                 k, pending = s + 1, (s + 1, metrics)
+                stopping = stop.at(k)  # every process asks at every step (several processes: a collective answer)
                 evaluate = k == config.steps or (config.eval_every and k % config.eval_every == 0)
-                save = k == config.steps or (config.ckpt_every and k % config.ckpt_every == 0) or stop.signal
-                if evaluate or save:
+                save = k == config.steps or (config.ckpt_every and k % config.ckpt_every == 0) or stopping
+                emergency = local is not None and k % every == 0 and not save
+                if evaluate or save or emergency:
                     rec, pending = log.record(*pending, last_good()), None
+                    dog.beat(k)
                     if evaluate:
                         rec.update(_evaluate(step, state, val))
                     log.emit(rec)
                     if save:
-                        ckpt.save(state, {"step": k, "where": info["where"], "seed": config.seed})
-                        if stop.signal:
+                        ckpt.save(state, resume.meta(config, k, info["where"]))
+                        if stopping:
                             ckpt.wait()  # committed while a second Ctrl-C is still only a warning
+                    elif emergency and all_finite(state):  # a non-finite state is the next record's error
+                        local.save(state, resume.meta(config, k, info["where"]))
+                        status["emergency"] = k
+                    dog.beat(k)
                     log.t_last = time.perf_counter()
-                if stop.signal:
+                if supervise.supervised():
+                    supervise.report(**status | {"step": k - (pending is not None), "checkpoint": ckpt.latest_step()})
+                if stopping:
                     stopped = signal.Signals(stop.signal).name
                     say(f"{stopped}: checkpointed step {k}; rerun the same command to resume")
                     break
@@ -426,8 +462,11 @@ def main(argv: Sequence[str]) -> None:
     for flag, var in (_COORD, "JAX_COORDINATOR_ADDRESS"), (_NPROC, "JAX_NUM_PROCESSES"), (_PID, "JAX_PROCESS_ID"):
         if flag.value not in ("", -1):
             os.environ[var] = str(flag.value)
+    config = runtime.loaded_config(_CONFIG)
+    if multi_process(config) and config.get("supervise", True) and not supervise.supervised():
+        sys.exit(supervise.run(sys.argv[1:]))  # this process trains as its child: a dead peer is one line
     try:
-        summary = train(runtime.loaded_config(_CONFIG))
+        summary = train(config)
     except (sk.ShardkitError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)  # 2: the config or the input; 1: the run failed (NaN, disk full)
         sys.exit(2 if isinstance(e, sk.ShardkitError) and not isinstance(e, SaveError) else 1)

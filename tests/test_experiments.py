@@ -126,6 +126,19 @@ def test_resume_on_another_mesh_and_strategy(full: dict[str, Any], halves: tuple
     assert "tp on mesh data=2,tensor=4" in json.loads((run / "config.json").read_text())["info"]["where"]
 
 
+def test_a_resume_that_changes_the_schedule_says_so(halves: tuple, tmp: Path, capsys) -> None:
+    """The schedule follows `steps` unless optimizer.decay_steps is set: a resume with another length says so once,
+    naming the flags that keep the run's (2 warmup + 16, from the checkpoint's metadata)."""
+    shutil.copytree(tmp / "at8", tmp / "runs" / "longer")
+    capsys.readouterr()
+    out = tr.train(make_config(tmp, "longer", steps=9, **{"optimizer.decay_steps": 0}))
+    assert (out["start_step"], out["step"]) == (8, 9)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "schedule" in ln]
+    assert said == ["warning: this run's learning-rate schedule was 2 warmup + 16 steps long; with --config.steps=9 "
+                    "it is 2 + 9, so the learning rate changes from step 8 on. To keep the run's: "
+                    "--config.optimizer.decay_steps=16 --config.optimizer.warmup_steps=2"], said  # fmt: skip
+
+
 def test_non_finite_stops_and_keeps_the_last_good_checkpoint(full: dict[str, Any], tmp: Path) -> None:
     # eps=0: AdamW's update is 0/0 = NaN for embedding rows of bytes no batch has touched yet, from step 17 on.
     # Those rows do not enter the loss until a batch contains such a byte; the state holds NaN at once.

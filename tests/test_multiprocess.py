@@ -1,6 +1,12 @@
 """experiments/launch_local.py: 2 processes x 4 CPU devices joined by jax.distributed on 127.0.0.1 train exactly
 like 1 process x 8 devices, and a killed process stops the run with a clear error instead of a hang.
 
+And as a cluster runs it (no launcher: each process started with JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID alone, under its own supervisor, experiments/supervise.py): a peer SIGKILLed at a random step, a
+SIGTERM to every process (preemption) and a hang injected in one process each end in bounded time with one
+`error:` line (or the preemption's checkpoint), and the restarts continue to exactly the losses of the
+uninterrupted 2-process run, from the emergency checkpoint where it is newer (docs/training.md, "When a host dies").
+
 Every subprocess is bounded by a timeout (hang guards ~10x above what a loaded 2-core machine takes, or the suite's
 pytest timeout; nothing asserts a speed); the coordinator listens on 127.0.0.1 only. Losses agree to 1e-5
 relative: the same XLA program on the same data, only the collectives' transport differs (gloo vs in-process),
@@ -24,12 +30,13 @@ import pytest
 
 from experiments import train as tr
 from experiments.configs import gpt_tiny
+from experiments.launch_local import child_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = {
     "strategy": "fsdp_tp", "mesh": "data=2,fsdp=2,tensor=2", "model.num_layers": 2, "model.d_model": 64,
     "model.num_heads": 4, "model.num_kv_heads": 4, "model.head_dim": 16, "model.mlp_dim": 128, "batch_size": 16,
-    "seq_len": 32, "steps": 4, "eval_every": 0, "eval_batches": 1, "ckpt_every": 0, "optimizer.warmup_steps": 1,
+    "seq_len": 32, "steps": 12, "eval_every": 0, "eval_batches": 1, "ckpt_every": 0, "optimizer.warmup_steps": 1,
     "data.max_files": 120, "progress": False, "log_every": 1, "peak_flops": 1e9,
 }  # fmt: skip
 
@@ -72,6 +79,7 @@ def test_two_processes_match_one_process(tmp):
     assert len(one) == len(two) == RUN["steps"]
     np.testing.assert_allclose(two, one, rtol=1e-5)
     assert (tmp / "runs" / "two" / "checkpoints" / str(RUN["steps"])).is_dir()  # both processes wrote their shards
+    assert (tmp / "runs" / "two" / "emergency" / "p1" / "10").is_dir()  # several processes: every 10 steps (auto)
 
 
 @pytest.mark.slow
@@ -106,3 +114,146 @@ def test_a_killed_process_stops_the_run_with_a_clear_error(tmp):
     assert re.search(stopped, text), text[-3000:]
     with pytest.raises(ProcessLookupError):  # process 0 was stopped too, not left hanging in a collective
         os.kill(int(pids["p0"]), 0)
+
+
+# ------------------------------------------------------------------------------------- as a cluster runs it
+FAULTS = {"heartbeat_timeout": 5, "emergency_every": 2}  # a dead peer noticed within seconds; local shards often
+TRACES = ("Traceback", "Check failure", "Fatal Python error", "Thread 0x", "*** ")  # none may reach the terminal
+
+
+class Process:
+    """One `python -m experiments.train` of a 2-process run, started as a cluster starts it: environment only."""
+
+    def __init__(self, tmp: Path, name: str, pid: int, port: int, env: dict | None = None, **over):
+        flags = [f"--config.{k}={v}" for k, v in _settings(tmp, name, **FAULTS, **over).items()]
+        environ = {**child_env(pid, 2, 4, port), **(env or {})}  # the variables a cluster's launcher would set
+        self.proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *flags], cwd=REPO, env=environ,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        self.out: queue.Queue[str] = queue.Queue()
+        self.lines: list[str] = []
+        self.readers = [
+            threading.Thread(target=lambda s=stream, t=tag: [self.out.put(t + ln) for ln in s], daemon=True)
+            for stream, tag in ((self.proc.stdout, ""), (self.proc.stderr, "!"))
+        ]  # "!": a stderr line
+        for r in self.readers:
+            r.start()
+
+    def until(self, pattern: str) -> str:
+        """Reads output until a line matches (no deadline: the suite's pytest timeout bounds start-up)."""
+        while True:
+            try:
+                line = self.out.get(timeout=1)
+            except queue.Empty:
+                assert self.proc.poll() is None, "".join(self.lines[-40:])
+                continue
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return line
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        """(exit code, everything it printed); `timeout` bounds how long the ending may take."""
+        rc = self.proc.wait(timeout=timeout)
+        for r in self.readers:  # to EOF: the last lines (not a sleep that a slow machine outlasts)
+            r.join(timeout=30)
+        while not self.out.empty():
+            self.lines.append(self.out.get())
+        return rc, "".join(self.lines)
+
+    def trainer_pid(self) -> int:
+        """The supervisor's child: the process that trains."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return int(children[0])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _pair(tmp, name, env=None, **over):
+    port = free_port()
+    return [Process(tmp, name, i, port, env, **over) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp):
+    """The uninterrupted 2-process run's losses (test_two_processes_match_one_process makes it, or this does)."""
+    if not (tmp / "runs" / "two" / "metrics.jsonl").exists():
+        out = subprocess.run(_launch(tmp, "two"), cwd=REPO, capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    return _losses(tmp, "two")
+
+
+@pytest.mark.slow
+def test_a_dead_peer_or_a_preemption_ends_in_one_line_and_the_restarts_continue_bit_for_bit(tmp, reference):
+    seed = int.from_bytes(os.urandom(2), "little")
+    at = 3 + seed % 4  # the step after which process 1 is SIGKILLed: 3..6 of 12, said in any failure
+    pair = _pair(tmp, "faults")
+    try:
+        pair[0].until(rf"^step +{at}/")
+        os.kill(pair[1].trainer_pid(), signal.SIGKILL)  # the trainer itself, as the OOM killer would
+        # JAX's coordination service notices within heartbeat_timeout (5 s); 60 s only guards a hang
+        (rc0, out0), (rc1, out1) = pair[0].finish(60), pair[1].finish(60)
+    finally:
+        for p in pair:
+            p.kill()
+    context = f"(killed after step {at}, seed {seed})\n{out0[-3000:]}"
+    assert rc0 == 75 and rc1 == 137, (rc0, rc1, context)
+    last0 = [ln for ln in out0.splitlines() if ln.startswith("!")][-1]
+    assert re.match(r"!error: process 0: process 1 of 2 stopped \(no heartbeat for 5 s: it died, hangs or was "
+                    r"preempted\); this process stopped at step \d+\. Rerun the same command on every host to resume "
+                    r"from step (\d+) \(the emergency checkpoint", last0), context  # fmt: skip
+    resume = int(re.search(r"resume from step (\d+)", last0).group(1))
+    assert resume >= 2 and resume % 2 == 0, context
+    assert "!error: process 1 was killed by SIGKILL" in out1, out1[-2000:]
+    for out in (out0, out1):  # JAX's abort, C++ check failure and Python stack dump went to the run's logs only
+        assert not any(t in out for t in TRACES), out[-3000:]
+        assert sum(ln.startswith("!error:") for ln in out.splitlines()) == 1
+    log = (tmp / "runs" / "faults" / "logs" / "process0.log").read_text()
+    assert "Fatal Python error" in log or "Check failure" in log or "Traceback" in log  # kept there
+    # the restart (same command) resumes from the emergency checkpoint; SIGTERM to both (preemption) mid-way
+    pair = _pair(tmp, "faults")
+    try:
+        assert f"resumed from the emergency checkpoint of step {resume}" in pair[0].until("resumed from")
+        stop_at = pair[0].until(r"^step +\d+/")  # the first step after the restart
+        for p in pair:
+            p.proc.send_signal(signal.SIGTERM)
+        (rc0, out0), (rc1, out1) = pair[0].finish(60), pair[1].finish(60)
+    finally:
+        for p in pair:
+            p.kill()
+    assert rc0 == rc1 == 128 + signal.SIGTERM, (rc0, rc1, out0[-3000:], out1[-2000:])
+    saved = int(re.search(r"SIGTERM: checkpointed step (\d+)", out0).group(1))  # every process stopped there
+    assert saved > int(re.search(r"step +(\d+)/", stop_at).group(1)) - 1 and "!error" not in out0 + out1
+    # and the last restart finishes: every step's loss is the uninterrupted run's, bit for bit
+    pair = _pair(tmp, "faults")
+    try:
+        assert f"resumed from step {saved}" in pair[0].until("resumed from")
+        (rc0, out0), (rc1, _) = pair[0].finish(120), pair[1].finish(120)
+    finally:
+        for p in pair:
+            p.kill()
+    assert rc0 == rc1 == 0, out0[-3000:]
+    np.testing.assert_array_equal(_losses(tmp, "faults"), reference)
+
+
+@pytest.mark.slow
+def test_a_hung_process_is_caught_by_the_watchdog_in_every_process(tmp):
+    """Process 1 stops making progress before step 4 (SHARDKIT_INJECT_HANG): both watchdogs (3 s) fire, each
+    process ends with one line naming its stacks file, exit 124."""
+    pair = _pair(tmp, "hang", env={"SHARDKIT_INJECT_HANG": "4:1"}, watchdog=3)
+    try:
+        (rc0, out0), (rc1, out1) = pair[0].finish(120), pair[1].finish(120)
+    finally:
+        for p in pair:
+            p.kill()
+    assert rc0 in (124, 75) and rc1 == 124, (rc0, rc1, out0[-3000:], out1[-2000:])
+    for i, out in enumerate((out0, out1)):
+        errors = [ln for ln in out.splitlines() if ln.startswith("!error:")]
+        assert len(errors) == 1 and not any(t in out for t in TRACES), out[-3000:]
+        if i == 1 or rc0 == 124:
+            assert re.match(
+                rf"!error: process {i}: no progress for \d+ s after step \d+ \(watchdog limit 3 s", errors[0]
+            )
+            stacks = (tmp / "runs" / "hang" / "logs" / f"hang-p{i}.txt").read_text()
+            assert "_injected_hang" in stacks if i == 1 else "train.py" in stacks

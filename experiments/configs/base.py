@@ -126,6 +126,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.ckpt_every = 100  # checkpoint every N steps (and at the end / on SIGTERM, SIGINT); 0 = only then
     c.keep = 3  # checkpoints kept (oldest deleted after a newer one commits)
     c.async_checkpointing = True  # write checkpoints in a background thread
+    c.emergency_every = -1  # emergency checkpoints: each process's own shards to local disk every N steps, restored
+    #                         when newer than the last checkpoint on the same mesh (shardkit/emergency.py); -1 = 10
+    #                         when the run has several processes, else off; 0 = off
+    c.emergency_dir = ""  # where ("" = <run>/emergency; a node-local disk on a cluster), one p<K>/ per process
+    c.watchdog = "auto"  # a step that takes longer ends the run, stacks to <run>/logs/ (experiments/watchdog.py):
+    #                      "auto" = max(300 s, 20 x the median step), seconds, or "off"
+    c.supervise = True  # multi-process: train under a supervising parent that turns a dead peer's abort into one
+    #                     `error:` line and exit 75, the rest to <run>/logs/ (experiments/supervise.py)
+    c.heartbeat_timeout = 60  # multi-process: seconds without a heartbeat before JAX declares a peer dead
     c.log_every = 10  # without a terminal (logs, CI): one progress line every N steps
     c.progress = True  # tqdm bar when stderr is a terminal
     c.jax_cache_dir = "~/.cache/shardkit/jax"  # persistent compile cache ("" = off); kept if already configured
