@@ -54,8 +54,9 @@ def start(config: ml_collections.ConfigDict, run: Any, ckpt: Checkpointer, local
     found = local.newest_common(step.abstract_state(), newer_than=latest or 0) if local else None
     if found is not None:
         state, saved = local.restore(step.abstract_state(), found)
+        last = f"the last checkpoint in {ckpt.directory} is step {latest}" if latest else "no checkpoint yet"
         say(f"resumed from the emergency checkpoint of step {found} (each process's own shards, CRC-checked, in "
-            f"{local.directory.parent}; the last checkpoint in {ckpt.directory} is step {latest})")  # fmt: skip
+            f"{local.directory.parent}; {last})")  # fmt: skip
     elif latest is not None:
         with warnings.catch_warnings(record=True) as seen:  # a damaged newest step: set aside, an older one restored
             warnings.simplefilter("always")

@@ -107,9 +107,9 @@ def resume_from(status: dict[str, Any]) -> str:
     """Where a rerun resumes, for the closing line: the newer of the emergency and the global checkpoint."""
     checkpoint, emergency = status.get("checkpoint") or 0, status.get("emergency") or 0
     where = f"{status.get('checkpoints', 'the run')}"
-    if emergency > checkpoint:
+    if emergency > checkpoint:  # the others' newest may be older (a peer killed mid-save): the newest all hold
         also = f"the last global one is step {checkpoint} in {where}" if checkpoint else f"no global one yet in {where}"
-        return f"step {emergency} (the emergency checkpoint, each process's own shards; {also})"
+        return f"the newest emergency checkpoint every process holds (step {emergency} on this one; {also})"
     if checkpoint:
         return f"step {checkpoint} (checkpoint in {where})"
     return "step 0 (no checkpoint yet)"

@@ -90,21 +90,21 @@ class LocalCheckpointer:
         crc, offset = 0, 0
         with open(tmp / DATA, "wb") as f:
             for path, x in jax.tree_util.tree_leaves_with_path(state):
+                impl = str(jax.random.key_impl(x)) if _is_key(x) else None
+                data = jax.random.key_data(x) if impl else x  # a key array: its key data (one trailing dimension)
                 chunks, seen = [], set()
-                for shard in x.addressable_shards:
-                    where = _index(shard.index, x.shape)
+                for shard in data.addressable_shards:
+                    where = _index(shard.index, data.shape)
                     if str(where) in seen:  # a replica of a shard already written
                         continue
                     seen.add(str(where))
-                    data = jax.random.key_data(shard.data) if _is_key(x) else shard.data
-                    raw = np.ascontiguousarray(np.asarray(data)).tobytes()
+                    raw = np.ascontiguousarray(np.asarray(shard.data)).tobytes()
                     f.write(raw)
                     crc = zlib.crc32(raw, crc)
-                    chunks.append({"index": where, "shape": list(np.shape(data)), "offset": offset, "nbytes": len(raw)})
+                    chunks.append({"index": where, "offset": offset, "nbytes": len(raw)})
                     offset += len(raw)
-                dtype = str(jax.random.key_data(x).dtype) if _is_key(x) else str(x.dtype)
-                leaves.append({"path": jax.tree_util.keystr(path), "shape": list(x.shape), "dtype": dtype,
-                               "key": _is_key(x), "chunks": chunks})  # fmt: skip
+                leaves.append({"path": jax.tree_util.keystr(path), "shape": list(x.shape), "dtype": str(data.dtype),
+                               "data_shape": list(data.shape), "key": impl, "chunks": chunks})  # fmt: skip
             f.flush()
             os.fsync(f.fileno())
         manifest = {"step": step, "process": self.process, "processes": self.count, "mesh": _mesh_of(state),
@@ -135,10 +135,10 @@ class LocalCheckpointer:
             leaf = saved.get(jax.tree_util.keystr(path))
             if leaf is None or leaf["shape"] != list(x.shape):
                 return f"has no array {jax.tree_util.keystr(path)} of shape {list(x.shape)}"
-            have = {str(c["index"]) for c in leaf["chunks"]}
-            for index in x.sharding.addressable_devices_indices_map(x.shape).values():
-                if str(_index(index, x.shape)) not in have:
-                    return f"lacks the shard {_index(index, x.shape)} of {leaf['path']} that this process holds"
+            have, shape = {str(c["index"]) for c in leaf["chunks"]}, tuple(leaf["data_shape"])
+            for index in x.sharding.addressable_devices_indices_map(shape).values():
+                if str(_index(index, shape)) not in have:
+                    return f"lacks the shard {_index(index, shape)} of {leaf['path']} that this process holds"
         return None
 
     def usable_steps(self, target: Any, newer_than: int = -1) -> list[int]:
@@ -166,19 +166,20 @@ class LocalCheckpointer:
 
         def one(path: Any, x: Any) -> jax.Array:
             leaf = saved[jax.tree_util.keystr(path)]
-            chunks = {str(c["index"]): c for c in leaf["chunks"]}
+            chunks, shape = {str(c["index"]): c for c in leaf["chunks"]}, tuple(leaf["data_shape"])
+            sharding = x.sharding
+            if sharding.memory_kind not in (None, "device"):  # offloaded state: assembled on device, then moved
+                sharding = sharding.with_memory_kind("device")
             arrays = []
-            for device, index in x.sharding.addressable_devices_indices_map(x.shape).items():
-                where_ = _index(index, x.shape)
+            for device, index in sharding.addressable_devices_indices_map(shape).items():
+                where_ = _index(index, shape)
                 c = chunks[str(where_)]
-                shape = c["shape"]  # a key array's shards: their key data, one trailing dimension more
-                data = np.frombuffer(raw, jnp.dtype(leaf["dtype"]), count=math.prod(shape), offset=c["offset"])
-                placed = jax.device_put(data.reshape(shape), device)
-                arrays.append(jax.random.wrap_key_data(placed, impl=x.dtype) if leaf["key"] else placed)
-            if x.sharding.memory_kind not in (None, "device"):  # offloaded state: assembled on device, then moved
-                on_device = x.sharding.with_memory_kind("device")
-                return jax.device_put(jax.make_array_from_single_device_arrays(x.shape, on_device, arrays), x.sharding)
-            return jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays)
+                size = math.prod(b - a for a, b in where_)
+                data = np.frombuffer(raw, jnp.dtype(leaf["dtype"]), count=size, offset=c["offset"])
+                arrays.append(jax.device_put(data.reshape([b - a for a, b in where_]), device))
+            out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+            out = jax.random.wrap_key_data(out, impl=leaf["key"]) if leaf["key"] else out
+            return jax.device_put(out, x.sharding) if out.sharding != x.sharding else out
 
         return jax.tree_util.tree_map_with_path(one, target), manifest["meta"]
 
