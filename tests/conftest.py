@@ -40,3 +40,25 @@ def pytest_xdist_auto_num_workers(config):
     and a second worker uses the idle core (docs/performance.md, "The test suite"). Each worker holds up to
     ~5 GB; more than 4 mostly adds memory."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+#: The files that take longest (seconds of a cold run on 2 cores, 2026-12-07), started first: pytest-xdist's
+#: `--dist loadfile` hands files out in collection order, so a heavy file last kept one core busy while the other
+#: idled (about 30 s of a 700 s run). The rest keep their order.
+HEAVY_FIRST = (
+    "test_matrix_lm",
+    "test_matrix_tpu",
+    "test_multiprocess",
+    "test_costmodel_tpu",
+    "test_spatial",
+    "test_context_parallel",
+    "test_experiments",
+    "test_pipeline",
+    "test_moe",
+    "test_matrix_vision",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest as collected

@@ -163,7 +163,7 @@ def test_fsdp_tp_gathers_and_scatters_over_fsdp_and_all_reduces_over_tensor():
     assert c.count == 4 * L and c.group_size == 2
 
 
-@pytest.mark.parametrize("strategy", ["cp_ring", "cp_zigzag"])
+@pytest.mark.parametrize("strategy", ["cp_zigzag"])  # cp_ring's ring is the same loop (masks differ, not transfers)
 def test_context_parallel_rings_kv_blocks_over_seq(strategy):
     colls = _gpt(strategy, "seq=4,data=2").colls
     perms = [c for c in colls if c.kind == "collective-permute"]
