@@ -103,13 +103,32 @@ def dead_peers(log_text: str) -> list[int]:
     return sorted(found)
 
 
+def common_emergency_step(directory: str | os.PathLike[str] | None, processes: int) -> int | None:
+    """The newest emergency step every process has committed, when all their folders are visible from here (a
+    shared run directory); None when one is not (node-local disks: each host sees its own)."""
+    if not directory or not isinstance(processes, int):
+        return None
+    common: set[int] | None = None
+    for i in range(processes):
+        folder = Path(directory) / f"p{i}"
+        if not folder.is_dir():
+            return None
+        steps = {int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "manifest.json").exists()}
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
 def resume_from(status: dict[str, Any]) -> str:
     """Where a rerun resumes, for the closing line: the newer of the emergency and the global checkpoint."""
     checkpoint, emergency = status.get("checkpoint") or 0, status.get("emergency") or 0
     where = f"{status.get('checkpoints', 'the run')}"
-    if emergency > checkpoint:  # the others' newest may be older (a peer killed mid-save): the newest all hold
-        also = f"the last global one is step {checkpoint} in {where}" if checkpoint else f"no global one yet in {where}"
-        return f"the newest emergency checkpoint every process holds (step {emergency} on this one; {also})"
+    also = f"the last global one is step {checkpoint} in {where}" if checkpoint else f"no global one yet in {where}"
+    if emergency > checkpoint:
+        common = common_emergency_step(status.get("emergency_dir"), status.get("processes"))
+        if common is not None and common > checkpoint:  # every process's folder is visible: the step all hold
+            return f"step {common} (the emergency checkpoint every process holds; {also})"
+        if common is None:  # the others' folders are not visible here: theirs may be older (killed mid-save)
+            return f"the newest emergency checkpoint every process holds (step {emergency} on this one; {also})"
     if checkpoint:
         return f"step {checkpoint} (checkpoint in {where})"
     return "step 0 (no checkpoint yet)"

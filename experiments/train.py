@@ -373,7 +373,8 @@ def _train(
     every = resume.emergency_every(config)
     status = dict(run_dir=str(run.dir), process=jax.process_index(), processes=jax.process_count(),
                   checkpoints=str(ckpt.directory), checkpoint=ckpt.latest_step(), step=start,
-                  heartbeat_timeout=config.get("heartbeat_timeout", 60))  # fmt: skip
+                  heartbeat_timeout=config.get("heartbeat_timeout", 60),
+                  emergency_dir=str(local.directory.parent) if local else None)  # fmt: skip
     supervise.report(**status)  # the supervising parent's view (experiments/supervise.py), kept current
     dog = Watchdog(config.get("watchdog", "auto"), run.dir / "logs", jax.process_index(),
                    lambda: supervise.resume_from(status))  # fmt: skip
