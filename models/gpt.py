@@ -141,10 +141,13 @@ class GPTConfig:
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         block = sk.attention.blocks.planned(strategy, mesh, seq, backend)  # splash on TPU: no [s, s] scores kept
         fused = block in ("splash", "flash")
-        comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend, fused))
+        embed = sk.embedding.planned(strategy, mesh, batch, backend)  # TPU, fsdp: each device's own columns
+        comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend, fused,
+                                           embed == "local"))  # fmt: skip
         memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
                                  backend=backend, fused_attention=fused)  # fmt: skip
-        return comms, memory, f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention {block})"
+        return comms, memory, (f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention "
+                               f"{block}, embedding {embed})")  # fmt: skip
 
     def remat_policy(self, strategy: Any) -> str:
         """The remat policy the cost model assumes under `strategy`: its `remat` kernel where it sets one (what
@@ -338,8 +341,8 @@ class GPT(nnx.Module):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        table = sk.constrain(self.embed[...], (VOCAB, EMBED))
-        x = sk.constrain(jnp.take(table, tokens, axis=0).astype(dt), (BATCH, RES_SEQ, EMBED))
+        x = sk.embedding.lookup(self.embed[...], tokens, (VOCAB, EMBED), dt)  # the `embed` kernel slot
+        x = sk.constrain(x, (BATCH, RES_SEQ, EMBED))
 
         graphdef, layer_state = nnx.split(self.blocks)
         if cfg.num_experts:  # the carry is (x, the layers' summed MoE terms)

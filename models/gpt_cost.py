@@ -154,7 +154,7 @@ def pp_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
 
 def strategy_comms(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    backend: str = "gpu", gspmd: bool = False, fused_attention: bool = False,
+    backend: str = "gpu", gspmd: bool = False, fused_attention: bool = False, local_embedding: bool = False,
 ) -> list[Comm]:  # fmt: skip
     """Per-device bytes per step of each collective of one GPT train step (no gradient accumulation).
 
@@ -193,7 +193,9 @@ def strategy_comms(
         raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {_MODELLED}")
     tpu_zero3 = backend == "tpu" and not getattr(cfg, "tie_embeddings", False)
     if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp") and tpu_zero3:
-        gpt_tpu_cost.zero3_comms(b, c, blocks_per_layer(cfg), t, f, nbytes, windowed=t > 1)
+        gpt_tpu_cost.zero3_comms(b, c, blocks_per_layer(cfg), t, f, nbytes, windowed=t > 1,
+                                 local_rows=act if local_embedding else 0.0,
+                                 ids=global_batch // d * seq_len * 4)  # fmt: skip
     elif strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
         b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
         b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
@@ -224,12 +226,12 @@ def blocks_per_layer(cfg: Any) -> int:
 @functools.lru_cache(maxsize=4096)
 def cached_comms(
     family: str, cfg: Any, mesh: tuple[tuple[str, int], ...], global_batch: int, seq_len: int, nbytes: int,
-    backend: str, fused_attention: bool = False,
+    backend: str, fused_attention: bool = False, local_embedding: bool = False,
 ) -> tuple[Comm, ...]:  # fmt: skip
     """`strategy_comms` memoised (the GSPMD step's for tp3d): `sk.plan` asks once per remat policy it tries, and
     the collectives do not depend on the policy (a recomputed forward's collectives are not modelled)."""
     return tuple(strategy_comms(family, cfg, dict(mesh), global_batch, seq_len, nbytes, backend, family == "tp3d",
-                                fused_attention))  # fmt: skip
+                                fused_attention, local_embedding))  # fmt: skip
 
 
 def num_params(cfg: Any) -> int:

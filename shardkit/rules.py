@@ -134,6 +134,9 @@ class ShardingContext:
     #: the concrete mesh of the program being traced: `mesh` itself, or, when `mesh` is the abstract mesh of a
     #: `shard_map` inside a step (pipeline stages), the enclosing context's; None when no concrete mesh is known
     devices_mesh: Mesh | None = None
+    #: the strategy's parameter rules (how the parameters are laid out), for kernels that work on a parameter's own
+    #: shards (shardkit/embedding.py); None outside a train step
+    param_rules: dict[str, MeshAxes] | None = None
 
     @property
     def attention(self) -> str:
@@ -151,7 +154,7 @@ _CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVa
 @contextlib.contextmanager
 def use_rules(
     mesh: Mesh, rules: Rules, attention: str | None = None, *, kernels: Mapping[str, str] | None = None,
-    scopes: Mapping[str, Rules] | None = None, **more: str,
+    scopes: Mapping[str, Rules] | None = None, param_rules: Rules | None = None, **more: str,
 ) -> Iterator[ShardingContext]:  # fmt: skip
     """Activates compute rules and kernel choices for `constrain` and the kernel slots in this block.
 
@@ -161,7 +164,8 @@ def use_rules(
     table = {**(kernels or {}), **more, **({"attention": attention} if attention is not None else {})}
     outer = _CONTEXT.get()
     concrete = mesh if _is_concrete(mesh) else getattr(outer, "devices_mesh", None)
-    ctx = ShardingContext(mesh, dict(rules), table, {k: dict(v) for k, v in (scopes or {}).items()}, concrete)
+    ctx = ShardingContext(mesh, dict(rules), table, {k: dict(v) for k, v in (scopes or {}).items()}, concrete,
+                          None if param_rules is None else dict(param_rules))  # fmt: skip
     token = _CONTEXT.set(ctx)
     try:
         yield ctx

@@ -476,8 +476,8 @@ class TrainStep(abc.ABC):
             with use_rules(jax.sharding.get_abstract_mesh(), dict.fromkeys(rules), kernels=self.strategy.kernels):
                 yield
             return
-        with use_rules(self.mesh, rules, kernels=self.strategy.kernels, scopes=self.bound.scopes), \
-                flax_rules(self.mesh, rules):  # fmt: skip
+        with use_rules(self.mesh, rules, kernels=self.strategy.kernels, scopes=self.bound.scopes,
+                       param_rules=self.bound.param_rules), flax_rules(self.mesh, rules):  # fmt: skip
             yield
 
     def apply(
