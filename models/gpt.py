@@ -51,6 +51,11 @@ class GPTConfig:
     #: is an error
     remat: str = "none"
     init_std: float = 0.02
+    #: the output projection's dot accumulated and returned in fp32 (True), or returned in the compute dtype and
+    #: cast to fp32 for the loss, as MaxText's default (`logits_dot_in_fp32: False`): with bf16 compute the logits
+    #: buffer and the head's gradient (and its reduce-scatter) are halved, the logits rounded to bf16. No effect
+    #: with fp32 compute. docs/performance.md, "The TPU program against MaxText's"
+    logits_dot_in_fp32: bool = True
     # mixture of experts (shardkit/parallel/moe.py): every block's MLP becomes `num_experts` SwiGLU experts
     num_experts: int = 0  # 0 = dense
     top_k: int = 2  # 1 = Switch, 2 = GShard (second choices queue behind first choices)
@@ -362,7 +367,8 @@ class GPT(nnx.Module):
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         with sk.scope("head"):  # a strategy may give the output projection rules of its own (Strategy.scopes)
-            logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=_f32(dt))
+            out = _f32(dt) if cfg.logits_dot_in_fp32 else dt  # MaxText's default: the compute dtype, then fp32
+            logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=out).astype(_f32(dt))
             logits = sk.constrain(logits, (BATCH, SEQ, VOCAB))
         return (logits, aux) if return_aux else logits
 

@@ -6,6 +6,8 @@ same rows, exactly), and the table's gradient is the same scatter-add summed in 
 losses and on every parameter relative to its scale; observed <= 3e-7.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from common import TINY, make_batch, one_device_mesh, train
@@ -58,3 +60,21 @@ def test_local_refuses_a_split_vocabulary():
     """tp splits the table's vocabulary rows over tensor: `local` says so (auto takes the gather)."""
     with pytest.raises(sk.ShardkitError, match=r"embed kernel 'local': the table's 'vocab' rows are split"):
         train(sk.make_mesh("data=4,tensor=2"), sk.strategy("tp").replace(kernels={"embed": "local"}), steps=1)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "spec", "moe"),
+    [("fsdp_cp_zigzag", "data=2,fsdp=2,seq=2", False), ("pp_fsdp", "data=2,fsdp=2,stage=2", False),
+     ("ep_fsdp", "data=2,fsdp=2,expert=2", True)],
+)  # fmt: skip
+def test_local_equals_the_gather_wherever_auto_takes_it_on_tpu(strategy, spec, moe):
+    """The other strategies whose TPU programs take `local` (sk.embedding.planned): the same losses and embedding
+    as `gather` on the same mesh (pure data movement; the table's gradient summed in another order: 1e-6)."""
+    cfg = dataclasses.replace(TINY, num_experts=4, top_k=2, capacity_factor=2.0) if moe else TINY
+    mesh = sk.make_mesh(spec)
+    assert sk.embedding.planned(strategy, dict(mesh.shape), B, "tpu") == "local"
+    runs = [train(mesh, sk.strategy(strategy).replace(kernels={**sk.strategy(strategy).kernels, "embed": k}),
+                  steps=2, cfg=cfg) for k in ("gather", "local")]  # fmt: skip
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6)
+    ref = runs[0][1]["embed"]
+    assert np.abs(runs[1][1]["embed"] - ref).max() <= 1e-6 * np.abs(ref).max()

@@ -30,6 +30,26 @@ def test_every_parameter_has_logical_axes(model):
     assert axes["embed"] == ("vocab", "embed") and axes["head"] == ("embed", "vocab")
 
 
+def test_logits_in_the_compute_dtype_are_the_fp32_dot_rounded_once():
+    """logits_dot_in_fp32=False (MaxText's default): with fp32 compute nothing changes; with bf16 compute the logits
+    are the fp32-accumulated dot rounded to bf16 (<= 2^-8 relative each, asserted 2^-8 of the largest |logit|) and
+    come back fp32."""
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 128, (2, 16)), jnp.int32)
+    for dtype in ("float32", "bfloat16"):
+        cfg = GPTConfig(**{**TINY.__dict__, "dtype": dtype})
+        state = nnx.state(GPT(cfg, rngs=nnx.Rngs(0)))
+        fp32_dot = nnx.merge(nnx.graphdef(GPT(cfg, rngs=nnx.Rngs(0))), state)(tokens)
+        lo = GPT(GPTConfig(**{**cfg.__dict__, "logits_dot_in_fp32": False}), rngs=nnx.Rngs(0))
+        nnx.update(lo, state)
+        rounded = lo(tokens)
+        assert rounded.dtype == fp32_dot.dtype == jnp.float32
+        if dtype == "float32":
+            np.testing.assert_array_equal(rounded, fp32_dot)
+        else:
+            assert np.abs(rounded - fp32_dot).max() <= 2**-8 * np.abs(fp32_dot).max()
+            np.testing.assert_array_equal(rounded, fp32_dot.astype(jnp.bfloat16).astype(jnp.float32))
+
+
 def test_causal_future_tokens_do_not_change_past_logits(model):
     a = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 16)), jnp.int32)
     b = a.at[0, 10:].set((a[0, 10:] + 1) % 128)

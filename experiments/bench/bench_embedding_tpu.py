@@ -61,10 +61,15 @@ def main() -> None:
     ap.add_argument("--target", default="v5e-8")
     ap.add_argument("--mesh", default="fsdp=8")
     ap.add_argument("--remat", default="full")
+    ap.add_argument("--logits-bf16", action="store_true", help="also: local + the head's dot in bf16 (MaxText's)")
     ap.add_argument("--out", default=f"{RESULTS}/bench_embedding_tpu.json")
     a = ap.parse_args()
     cfg = GPTConfig(**{**CFG.__dict__, "remat": a.remat})
     runs = {k: measure(k, a.target, a.mesh, cfg) for k in ("gather", "local")}
+    if a.logits_bf16:  # and MaxText's logits: the head's dot in bf16, cast to fp32 for the loss
+        runs["local, logits bf16"] = measure(
+            "local", a.target, a.mesh, GPTConfig(**{**cfg.__dict__, "logits_dot_in_fp32": False})
+        )
     g, loc = runs["gather"], runs["local"]
     gib = lambda x: f"{x / 2**30:.3f} GiB"
     print(f"fsdp on {a.target} ({a.mesh}), {cfg.num_params():,} parameters, batch {BATCH} x {SEQ}, remat {a.remat}")
@@ -76,6 +81,13 @@ def main() -> None:
     for kind in sorted(set(g["collectives"]) | set(loc["collectives"])):
         a_, b_ = g["collectives"].get(kind, 0.0), loc["collectives"].get(kind, 0.0)
         print(f"    {kind:32s} gather {a_ / 1e6:9.1f} MB  local {b_ / 1e6:9.1f} MB")
+    if "local, logits bf16" in runs:
+        r = runs["local, logits bf16"]
+        print(
+            f"  local + logits bf16: peak {gib(r['peak'])}, temp {gib(r['temp'])}, HBM accessed "
+            f"{r['hbm_bytes_accessed'] / 1e9:.2f} GB, collectives {r['collective_bytes'] / 1e6:.1f} MB "
+            f"({', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in r['collectives'].items())})"
+        )
     versions = {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "libtpu")}
     save_json(dict(target=a.target, mesh=a.mesh, batch=BATCH, seq=SEQ, remat=a.remat, versions=versions,
                    devices=str(jax.devices()[0]), runs=runs), a.out)  # fmt: skip

@@ -88,6 +88,8 @@ def get_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"
     m.remat = "none"  # none | full | dots
     m.init_std = 0.02
+    m.logits_dot_in_fp32 = True  # False: the output projection in the compute dtype, cast to fp32 for the loss
+    #                              (MaxText's default; halves the bf16 head's logits and gradient traffic)
     m.num_experts = 0  # > 0: every block's MLP is a mixture of this many experts (strategy ep / ep_gspmd)
     m.top_k = 2  # experts per token: 1 Switch, 2 GShard
     m.capacity_factor = 1.25  # expert capacity per sequence = ceil(top_k x seq_len x factor / experts)
