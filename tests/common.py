@@ -41,6 +41,15 @@ def train(mesh, strategy, tx=None, steps=3, cfg=TINY, microbatches=1, batch=None
     return np.array(losses), jax.tree.map(np.asarray, state.params), step, state
 
 
+def run_steps(step: Any, batch: Any, steps: int) -> tuple[np.ndarray, Any]:
+    """(the losses, the final state) of `steps` steps of `step` from its initial state on one batch."""
+    state, losses = step.init_state(), []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
 def override(config: Any, values: dict[str, Any]) -> Any:
     """Sets dotted fields of an ml_collections config, as `--config.a.b=v` would: {"model.widths": (4, 8)}."""
     for key, value in values.items():

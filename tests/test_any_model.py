@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import one_device_mesh
+from common import one_device_mesh, run_steps
 from flax import nnx
 
 import shardkit as sk
@@ -67,11 +67,8 @@ def run(make, mesh, strategy, loss_fn, batch, batch_axes=None, steps=3, microbat
     model = make(mesh, strategy)
     step = sk.make_train_step(model, optax.sgd(0.3, momentum=0.9), mesh, strategy, loss_fn=loss_fn,
                               batch_axes=batch_axes, microbatches=microbatches)  # fmt: skip
-    state, losses = step.init_state(), []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params), step, state
+    losses, state = run_steps(step, batch, steps)
+    return losses, jax.tree.map(np.asarray, state.params), step, state
 
 
 def assert_close(got, want, rtol=1e-5):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from common import run_steps
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
@@ -71,11 +72,8 @@ def tokens():
 def run(mesh, strategy="annotated", steps=3, microbatches=1):
     model = sk.sharded_init(ExplicitLM, mesh, strategy)
     step = sk.make_train_step(model, optax.sgd(0.3, momentum=0.9), mesh, strategy, microbatches=microbatches)
-    state, losses = step.init_state(), []
-    for _ in range(steps):
-        state, metrics = step(state, tokens())
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), state, step
+    losses, state = run_steps(step, tokens(), steps)
+    return losses, state, step
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import one_device_mesh
+from common import one_device_mesh, run_steps
 
 import shardkit as sk
 
@@ -68,11 +68,8 @@ def tokens():
 def run(mesh, strategy, steps=3):
     model = sk.from_linen(Decoder(), jnp.zeros((2, SEQ), jnp.int32), mesh, strategy)
     step = sk.make_train_step(model, optax.sgd(0.3, momentum=0.9), mesh, strategy, loss_fn=loss)
-    state, losses = step.init_state(), []
-    for _ in range(steps):
-        state, metrics = step(state, tokens())
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), state, step
+    losses, state = run_steps(step, tokens(), steps)
+    return losses, state, step
 
 
 def assert_close(got, want, rtol=1e-5):
