@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 import shardkit as sk
@@ -56,6 +57,10 @@ class GPTConfig:
     #: buffer and the head's gradient (and its reduce-scatter) are halved, the logits rounded to bf16. No effect
     #: with fp32 compute. docs/performance.md, "The TPU program against MaxText's"
     logits_dot_in_fp32: bool = True
+    #: > 0: the output projection and the cross-entropy run over the sequence in chunks of this many positions, each
+    #: recomputed in the backward (jax.checkpoint), so the [batch, seq, vocab] logits never exist at once; 0 = whole.
+    #: The same loss, summed in another order. docs/performance.md, "The TPU program against MaxText's"
+    loss_chunk: int = 0
     # mixture of experts (shardkit/parallel/moe.py): every block's MLP becomes `num_experts` SwiGLU experts
     num_experts: int = 0  # 0 = dense
     top_k: int = 2  # 1 = Switch, 2 = GShard (second choices queue behind first choices)
@@ -313,11 +318,17 @@ def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Ar
     With experts: (cross-entropy + the weighted load-balancing and z-losses, {"ce", "moe_aux", "moe_z",
     "moe_dropped"}), the MoE terms averaged over layers."""
     extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
-    if not model.cfg.num_experts:
-        return sk.train.cross_entropy(model(batch["inputs"], **extra), batch["targets"])
-    logits, aux = model(batch["inputs"], **extra, return_aux=True)
-    ce = sk.train.cross_entropy(logits, batch["targets"])
     cfg = model.cfg
+    if cfg.loss_chunk:  # the head and the loss chunk by chunk: no [batch, seq, vocab] buffer (GPTConfig.loss_chunk)
+        x, aux = model(batch["inputs"], **extra, return_aux=True, return_hidden=True)
+        ce = model.chunked_cross_entropy(x, batch["targets"])
+    elif not cfg.num_experts:
+        return sk.train.cross_entropy(model(batch["inputs"], **extra), batch["targets"])
+    else:
+        logits, aux = model(batch["inputs"], **extra, return_aux=True)
+        ce = sk.train.cross_entropy(logits, batch["targets"])
+    if not cfg.num_experts:
+        return ce
     loss = ce + cfg.aux_loss_weight * aux[0] + cfg.z_loss_weight * aux[1]
     return loss, {"ce": ce, "moe_aux": aux[0], "moe_z": aux[1], "moe_dropped": aux[2]}
 
@@ -341,7 +352,7 @@ class GPT(nnx.Module):
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-        return_aux: bool = False,
+        return_aux: bool = False, return_hidden: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:  # fmt: skip
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         if positions is None:
@@ -365,12 +376,47 @@ class GPT(nnx.Module):
             aux = None
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
-        w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+        out = x if return_hidden else self.logits(x)  # return_hidden: the final normed activations, no head
+        return (out, aux) if return_aux else out
+
+    def logits(self, x: jax.Array, w: jax.Array | None = None) -> jax.Array:
+        """The output projection of the final normed activations x [batch, seq, embed]: fp32 [batch, seq, vocab].
+        `w`: the head's weight as `head_weight` gives it (the chunked loss gathers it once, outside its loop)."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         with sk.scope("head"):  # a strategy may give the output projection rules of its own (Strategy.scopes)
+            w = self.head_weight() if w is None else w
             out = _f32(dt) if cfg.logits_dot_in_fp32 else dt  # MaxText's default: the compute dtype, then fp32
-            logits = jnp.einsum("bse,ev->bsv", x, w.astype(dt), preferred_element_type=out).astype(_f32(dt))
-            logits = sk.constrain(logits, (BATCH, SEQ, VOCAB))
-        return (logits, aux) if return_aux else logits
+            logits = jnp.einsum("bse,ev->bsv", x, w, preferred_element_type=out).astype(_f32(dt))
+            return sk.constrain(logits, (BATCH, SEQ, VOCAB))
+
+    def head_weight(self) -> jax.Array:
+        """The output projection's weight [embed, vocab] in the compute dtype (the embedding's, tied)."""
+        w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        return w.astype(jnp.dtype(self.cfg.dtype))
+
+    def chunked_cross_entropy(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean cross-entropy of `self.logits(x)` against `targets` [batch, seq], `cfg.loss_chunk` positions at a
+        time: a scan whose body is rematerialised, so only one chunk's logits live, forward or backward. The head's
+        weight is laid out for the matmul once, before the loop (inside it, FSDP would gather it and reduce-scatter
+        its gradient once per chunk)."""
+        b, s = targets.shape
+        c = self.cfg.loss_chunk
+        if s % c:
+            raise sk.ShardkitError(f"loss_chunk={c} must divide the sequence length {s}")
+        with sk.scope("head"):
+            w = sk.constrain(self.head_weight(), (EMBED, VOCAB))  # the compute layout: gathered here, once
+
+        @jax.checkpoint
+        def chunk_sum(w: jax.Array, xc: jax.Array, tc: jax.Array) -> jax.Array:
+            return optax.softmax_cross_entropy_with_integer_labels(self.logits(xc, w), tc).sum()
+
+        def body(total: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
+            xc = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
+            tc = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=1)
+            return total + chunk_sum(w, xc, tc), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), _f32(x.dtype)), jnp.arange(s // c))
+        return total / (b * s)
 
     def loss(self, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         return lm_loss(self, batch)

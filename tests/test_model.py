@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from common import TINY
+from common import TINY, make_batch, one_device_mesh, train
 from flax import nnx
 
 import shardkit as sk
@@ -48,6 +48,30 @@ def test_logits_in_the_compute_dtype_are_the_fp32_dot_rounded_once():
         else:
             assert np.abs(rounded - fp32_dot).max() <= 2**-8 * np.abs(fp32_dot).max()
             np.testing.assert_array_equal(rounded, fp32_dot.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_a_chunked_loss_equals_the_whole_one_with_its_gradients():
+    """loss_chunk=8 over seq 32: the same mean cross-entropy and parameter gradients as the whole [B, S, V] logits
+    (the same sums in another order: fp32, 1e-6 relative on the loss, 1e-5 of each gradient's scale)."""
+    from models.gpt import lm_loss
+
+    batch = make_batch(4, 32)
+    whole = GPT(TINY, rngs=nnx.Rngs(0))
+    chunked = GPT(GPTConfig(**{**TINY.__dict__, "loss_chunk": 8}), rngs=nnx.Rngs(0))
+    grads = []
+    for m in (whole, chunked):
+        graphdef, params = nnx.split(m, nnx.Param)
+        loss_of = lambda p, g=graphdef: lm_loss(nnx.merge(g, p), batch)
+        grads.append(jax.value_and_grad(loss_of)(params))
+    (l0, g0), (l1, g1) = grads
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * np.abs(np.asarray(b)).max()
+    # and in a sharded train step (fsdp over 8 devices): 3 SGD steps as the whole loss on one device (1e-5)
+    sharded = train(sk.make_mesh("data=2,fsdp=4"), "fsdp", cfg=GPTConfig(**{**TINY.__dict__, "loss_chunk": 8}))
+    np.testing.assert_allclose(sharded[0], train(one_device_mesh(), "dp")[0], rtol=1e-5)
+    with pytest.raises(sk.ShardkitError, match="loss_chunk=7 must divide"):
+        lm_loss(GPT(GPTConfig(**{**TINY.__dict__, "loss_chunk": 7}), rngs=nnx.Rngs(0)), batch)
 
 
 def test_causal_future_tokens_do_not_change_past_logits(model):

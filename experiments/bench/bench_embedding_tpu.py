@@ -1,7 +1,7 @@
 """The `embed` kernel slot on a TPU target: the table gathered (GSPMD) against each device's own columns (`local`).
 
     python -m experiments.bench.bench_embedding_tpu [--target v5e-8] [--mesh fsdp=8] [--remat full]
-        [--out experiments/bench/results/bench_embedding_tpu.json]
+        [--logits-bf16 [--loss-chunk 512]] [--out experiments/bench/results/bench_embedding_tpu.json]
 
 The decoder of the MaxText comparison (issue #41): 8 layers x 1024, 8 heads x 128, SwiGLU 4096, vocabulary 32000
 (untied), RoPE, RMSNorm; sequence 2048, global batch 16, bf16 compute, fp32 parameters, AdamW, full remat; fsdp
@@ -62,14 +62,17 @@ def main() -> None:
     ap.add_argument("--mesh", default="fsdp=8")
     ap.add_argument("--remat", default="full")
     ap.add_argument("--logits-bf16", action="store_true", help="also: local + the head's dot in bf16 (MaxText's)")
+    ap.add_argument("--loss-chunk", type=int, default=0, help="with --logits-bf16, also: the loss in chunks")
     ap.add_argument("--out", default=f"{RESULTS}/bench_embedding_tpu.json")
     a = ap.parse_args()
     cfg = GPTConfig(**{**CFG.__dict__, "remat": a.remat})
     runs = {k: measure(k, a.target, a.mesh, cfg) for k in ("gather", "local")}
     if a.logits_bf16:  # and MaxText's logits: the head's dot in bf16, cast to fp32 for the loss
-        runs["local, logits bf16"] = measure(
-            "local", a.target, a.mesh, GPTConfig(**{**cfg.__dict__, "logits_dot_in_fp32": False})
-        )
+        bf16 = GPTConfig(**{**cfg.__dict__, "logits_dot_in_fp32": False})
+        runs["local, logits bf16"] = measure("local", a.target, a.mesh, bf16)
+        if a.loss_chunk:  # and the head + loss in chunks of positions, rematerialised
+            chunked = GPTConfig(**{**bf16.__dict__, "loss_chunk": a.loss_chunk})
+            runs[f"local, logits bf16, loss_chunk {a.loss_chunk}"] = measure("local", a.target, a.mesh, chunked)
     g, loc = runs["gather"], runs["local"]
     gib = lambda x: f"{x / 2**30:.3f} GiB"
     print(f"fsdp on {a.target} ({a.mesh}), {cfg.num_params():,} parameters, batch {BATCH} x {SEQ}, remat {a.remat}")
@@ -81,13 +84,12 @@ def main() -> None:
     for kind in sorted(set(g["collectives"]) | set(loc["collectives"])):
         a_, b_ = g["collectives"].get(kind, 0.0), loc["collectives"].get(kind, 0.0)
         print(f"    {kind:32s} gather {a_ / 1e6:9.1f} MB  local {b_ / 1e6:9.1f} MB")
-    if "local, logits bf16" in runs:
-        r = runs["local, logits bf16"]
-        print(
-            f"  local + logits bf16: peak {gib(r['peak'])}, temp {gib(r['temp'])}, HBM accessed "
-            f"{r['hbm_bytes_accessed'] / 1e9:.2f} GB, collectives {r['collective_bytes'] / 1e6:.1f} MB "
-            f"({', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in r['collectives'].items())})"
-        )
+    for name, r in runs.items():
+        if name.startswith("local, "):
+            kinds = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in r["collectives"].items())
+            print(f"  {name}: peak {gib(r['peak'])}, temp {gib(r['temp'])}, HBM accessed "
+                  f"{r['hbm_bytes_accessed'] / 1e9:.2f} GB, matmul {r['matmul_flops'] / 1e12:.3f} T, collectives "
+                  f"{r['collective_bytes'] / 1e6:.1f} MB ({kinds})")  # fmt: skip
     versions = {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "libtpu")}
     save_json(dict(target=a.target, mesh=a.mesh, batch=BATCH, seq=SEQ, remat=a.remat, versions=versions,
                    devices=str(jax.devices()[0]), runs=runs), a.out)  # fmt: skip
