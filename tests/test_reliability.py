@@ -154,6 +154,9 @@ def _flip_a_byte(path):
     path.write_bytes(bytes(data))
 
 
+# orbax's reads of a damaged step leave coroutines that fail when collected (its own "Exception ignored in"), at a
+# time that depends on which tests shared the process: they are orbax's, not the restore's result, which is asserted
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["flip", "truncate", "metadata"])
 def test_a_damaged_latest_step_is_set_aside_and_the_previous_one_restored(saved, damage):
     directory, step, s1, _ = saved
