@@ -209,6 +209,7 @@ class _Log:
         self.lrs = np.asarray(run.schedule(np.arange(config.steps + 1)))
         self.bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True) if bar else None
         self.file, self.t_start, self.first_step_s = None, t_start, None
+        self.evaluated = False  # the first evaluation compiles its step (the watchdog pauses for it)
         if jax.process_index() == 0:
             path = run.dir / "metrics.jsonl"
             if path.exists():  # a line cut short by a kill fails to parse and is dropped too
@@ -263,9 +264,14 @@ def _val_text(rec: dict[str, Any]) -> str:
     return f"val_loss {rec['val_loss']:.4f}{acc}{more}"
 
 
-def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any]) -> dict[str, float]:
-    """val_loss and val_<metric> for each of the loss's metrics: means over equal-sized batches, eval mode."""
-    outs = [jax.device_get(step.evaluate(state, v)) for v in batches]
+def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any],
+              progress: Callable[[], None] = lambda: None) -> dict[str, float]:  # fmt: skip
+    """val_loss and val_<metric> for each of the loss's metrics: means over equal-sized batches, eval mode.
+    `progress` is called after each batch (the watchdog's beat: a long evaluation is progress, not a hang)."""
+    outs = []
+    for v in batches:
+        outs.append(jax.device_get(step.evaluate(state, v)))
+        progress()
     val = {"val_loss": float(np.mean([loss for loss, _ in outs]))}
     return val | {f"val_{k}": float(np.mean([aux[k] for _, aux in outs])) for k in outs[0][1]}
 
@@ -399,7 +405,10 @@ def _train(
                     rec, pending = log.record(*pending, last_good()), None
                     dog.beat(k)
                     if evaluate:
-                        rec.update(_evaluate(step, state, val))
+                        first = contextlib.nullcontext() if log.evaluated else dog.paused()  # its compile
+                        with first:
+                            rec.update(_evaluate(step, state, val, lambda k=k: dog.beat(k)))
+                        log.evaluated = True
                     log.emit(rec)
                     if save:
                         ckpt.save(state, resume.meta(config, k, info["where"]))

@@ -10,20 +10,22 @@ same way (or by JAX's heartbeat, when the hung process has gone): the run stops 
 
 The limit (`--config.watchdog`):
 - "auto" (the default): `max(floor_s, multiple x the median gap)` over the gaps seen so far; `floor_s` alone
-  until `warmup` gaps are known. The floor (300 s) covers a slow checkpoint or evaluation.
+  until `warmup` gaps are known. The floor (300 s) covers a slow checkpoint; an evaluation beats after each of
+  its batches, and the first one (which compiles the evaluation step) runs with the watchdog paused.
 - a number of seconds: that limit from the first step on.
 - "off": no watchdog.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import shardkit as sk
@@ -61,6 +63,7 @@ class Watchdog:
         self.gaps: list[float] = []
         self.step, self.t_last = 0, time.monotonic()
         self._stop = threading.Event()
+        self._paused = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -78,6 +81,15 @@ class Watchdog:
             self.gaps.append(now - self.t_last)
         self.step, self.t_last = max(step, self.step), now
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No limit inside (a first evaluation, whose compile may take minutes); the clock restarts after it."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused, self.t_last = False, time.monotonic()
+
     def __enter__(self) -> Watchdog:
         if self.fixed is not None:
             self.t_last = time.monotonic()
@@ -91,7 +103,7 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.limit / 10)):
             waited = time.monotonic() - self.t_last
-            if waited > self.limit:
+            if waited > self.limit and not self._paused:
                 self._fire(waited)
 
     def _fire(self, waited: float) -> None:
