@@ -318,7 +318,8 @@ def memory(
         block = activation_bytes(cfg, tokens, seq_len, 1, 1, nbytes, backend, attention="ring")
         remat = remat or _default_remat(cfg)
         acts = gpt_remat_cost.saved_bytes(cfg, remat, tokens, seq_len, 1, 1, nbytes, block) - block
-        acts += tokens * c["vocab_size"] * 4 * 2 + c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
+        acts += logit_tokens(cfg, tokens, seq_len) * c["vocab_size"] * 4 * 2
+        acts += c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
         return _state(psi, nbytes, acts)
     if strategy.startswith("pp:") and tpu:  # the stage's blocks, the embedding, head and final norm
         p, blk = mesh.get("stage", 1), blocks_per_layer(cfg)
@@ -342,8 +343,15 @@ def memory(
         acts -= 0.0 if in_hbm else block
         gathered = strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp")
         acts += 0.0 if gathered else c["num_layers"] * blocks_per_layer(cfg) / state_deg * min(nbytes, 2)
-    acts += tokens * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and their softmax
+    acts += logit_tokens(cfg, tokens, seq_len) * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and softmax
     return _state(psi, nbytes, acts, d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
+
+
+def logit_tokens(cfg: Any, tokens: float, seq_len: int) -> float:
+    """How many positions' logits live at once: all of a device's `tokens`, or one chunk of each sequence under
+    `GPTConfig.loss_chunk` (the chunked loss rematerialises the others)."""
+    chunk = getattr(cfg, "loss_chunk", 0) or 0
+    return tokens * min(1.0, chunk / seq_len) if chunk else tokens
 
 
 def divisibility(strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int) -> str:
@@ -429,7 +437,7 @@ def sdp_terms(
     worker = dataclasses.replace(cfg, num_layers=k)  # its k blocks (cfg: a GPTConfig)
     block_acts = activation_bytes(cfg, tokens, seq_len, 1, t, nbytes)
     acts = gpt_remat_cost.saved_bytes(worker, remat, tokens, seq_len, 1, t, nbytes, block_acts)
-    acts += tokens * c["vocab_size"] / t * 4 * 2  # fp32 logits and their softmax
+    acts += logit_tokens(cfg, tokens, seq_len) * c["vocab_size"] / t * 4 * 2  # fp32 logits and their softmax
     return b.comms(), _state(sub, nbytes, acts)
 
 

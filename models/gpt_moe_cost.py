@@ -14,7 +14,7 @@ from typing import Any
 
 import shardkit as sk
 from models import gpt_remat_cost, gpt_tpu_cost
-from models.gpt_cost import activation_bytes
+from models.gpt_cost import activation_bytes, logit_tokens
 from shardkit.costmodel import Comm, CommBuilder
 from shardkit.layers import remat_names
 
@@ -161,7 +161,7 @@ def memory(
         tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
         on_chip = fused or not gpt_tpu_cost.working_set_in_hbm(cfg.num_heads, tokens, seq_len, 1, nbytes)
         acts += (psi - tables / f) * lo - (block if on_chip else 0.0)
-    acts += cfg.num_layers * moe.get(base, 0.0) + tokens * cfg.vocab_size * 4 * 2  # + fp32 logits and softmax
+    acts += cfg.num_layers * moe.get(base, 0.0) + logit_tokens(cfg, tokens, seq_len) * cfg.vocab_size * 4 * 2
     mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
     return {**mem, "total": sum(mem.values())}
 

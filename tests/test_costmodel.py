@@ -204,3 +204,13 @@ def test_combined_strategies_compose_their_parts_and_unknown_ones_are_refused():
     assert zmem["optimizer"] * 8 == pytest.approx(dpmem["optimizer"]) and zmem["params"] == dpmem["params"]
     with pytest.raises(sk.ShardkitError, match=r"no formula for strategy 'cp_zigzag'"):
         gc.strategy_comms("cp_zigzag", TINY, {"seq": 8}, 16, 32)
+
+
+def test_a_chunked_loss_keeps_one_chunk_of_logits():
+    """GPTConfig.loss_chunk: the activations hold one chunk of each sequence's fp32 logits and softmax, not all."""
+    cfg = GPTConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=512,
+                    max_seq_len=256)  # fmt: skip
+    whole = gc.memory("fsdp", cfg, {"data": 2, "fsdp": 4}, 16, 256, 4)["activations"]
+    chunked = gc.memory("fsdp", dataclasses.replace(cfg, loss_chunk=64), {"data": 2, "fsdp": 4}, 16, 256, 4)
+    tokens = 16 // 8 * 256  # a device's
+    assert whole - chunked["activations"] == tokens * (1 - 64 / 256) * 512 * 4 * 2
