@@ -108,12 +108,14 @@ def common_emergency_step(directory: str | os.PathLike[str] | None, processes: i
     shared run directory); None when one is not (node-local disks: each host sees its own)."""
     if not directory or not isinstance(processes, int):
         return None
+    from shardkit.emergency import committed_steps
+
     common: set[int] | None = None
     for i in range(processes):
         folder = Path(directory) / f"p{i}"
         if not folder.is_dir():
             return None
-        steps = {int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / "manifest.json").exists()}
+        steps = set(committed_steps(folder))
         common = steps if common is None else common & steps
     return max(common) if common else None
 
@@ -140,7 +142,7 @@ def verdict(rc: int, status: dict[str, Any], log_text: str, said_error: bool, fo
         return "", rc
     me, n = status.get("process", os.environ.get("JAX_PROCESS_ID", "?")), status.get("processes", "?")
     step = status.get("step")
-    at = f"at step {step}" if step is not None else "before its first step"
+    at = f"after step {step}" if step is not None else "before its first step"
     tail = f"Rerun the same command on every host to resume from {resume_from(status)}"
     if rc < 0 and -rc != signal.SIGABRT:  # killed from outside (JAX's own abort is SIGABRT)
         return (f"error: process {me} was killed by {_signal_name(-rc)} {at} (the system's OOM killer, or the "

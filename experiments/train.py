@@ -35,10 +35,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import contextlib
 import dataclasses
 import json
-import math
 import signal
 import statistics
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -50,14 +48,15 @@ import ml_collections
 import numpy as np
 import optax
 from absl import flags, logging
-from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
 from experiments import auto, compile_only, resume, runtime, supervise
+from experiments.metrics_log import Log, val_text
 from experiments.optim import make_optimizer
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
+from experiments.stopping import Stop, hang_here, injected_hang
 from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)
 from experiments.watchdog import Watchdog
 from shardkit.checkpoint import Checkpointer, NonFiniteError, SaveError, all_finite
@@ -132,138 +131,6 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
 
 # ------------------------------------------------------------------------------------------------------ running
-class _Stop:
-    """SIGTERM (preemption) and a first Ctrl-C ask the loop to checkpoint and stop; the stop's checkpoint commits
-    before the handlers are released, so a second quick Ctrl-C only warns and a third interrupts."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._old: dict[int, Any] = {}
-        self._extra = 0  # Ctrl-C presses after the first, before its checkpoint has committed
-        # several processes: SIGTERM is left to JAX's preemption notifier, so that every process stops at the same
-        # step (a checkpoint is collective); `at(k)` asks it
-        self.synced = jax.process_count() > 1 and _preemption_manager() is not None
-
-    def __enter__(self) -> _Stop:
-        with contextlib.suppress(ValueError):  # signal handlers only in the main thread
-            for sig in (signal.SIGINT,) if self.synced else (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def at(self, k: int) -> bool:
-        """Whether the run stops after step k: a signal here, or (several processes) a preemption every process
-        agrees stops at step k (`multihost_utils.reached_preemption_sync_point`, JAX's SIGTERM sync)."""
-        if self.synced and self.signal is None and multihost_utils.reached_preemption_sync_point(k):
-            self.signal = signal.SIGTERM
-        return self.signal is not None
-
-    def _handle(self, sig: int, frame: Any) -> None:
-        if self.signal == signal.SIGINT and sig == signal.SIGINT:
-            self._extra += 1
-            if self._extra == 1:  # two quick Ctrl-C during the first save used to lose the whole run
-                print("stopping: writing the checkpoint first; Ctrl-C once more abandons it", file=sys.stderr,
-                      flush=True)  # fmt: skip
-                return
-            raise KeyboardInterrupt
-        self.signal = sig
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _preemption_manager() -> Any:
-    """JAX's preemption sync manager (set up by jax.distributed.initialize), or None."""
-    from jax._src import distributed
-
-    return getattr(distributed.global_state, "preemption_sync_manager", None)
-
-
-def _injected_hang(k: int) -> None:
-    """Testing hook: SHARDKIT_INJECT_HANG="<step>[:<process>]" makes that process stop making progress before it
-    dispatches step <step> (a hung peer, for the watchdog's tests: tests/test_multiprocess.py)."""
-    spec = os.environ.get("SHARDKIT_INJECT_HANG", "")
-    if spec:
-        step, _, proc = spec.partition(":")
-        if int(step) == k and (not proc or int(proc) == jax.process_index()):
-            threading.Event().wait()  # forever: only the watchdog (or a kill) ends this process
-
-
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-class _Log:
-    """Per-step records to metrics.jsonl (process 0; lines past `start` left by a killed run are dropped), progress
-    bar or lines, and the NaN check. Throughput is counted on the host: the task's units (tokens, examples) per step."""
-
-    def __init__(self, config: ml_collections.ConfigDict, run: Run, start: int, peak: float, say: Callable, bar: bool,
-                 t_start: float) -> None:  # fmt: skip
-        self.config, self.say, self.records, self.t_last = config, say, [], time.perf_counter()
-        task = run.task
-        self.unit, self.short, self.units = task.unit, task.short, task.units_per_step
-        self.flops = task.flops_per_unit / (peak * run.mesh.devices.size) if peak else 0.0
-        self.lrs = np.asarray(run.schedule(np.arange(config.steps + 1)))
-        self.bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True) if bar else None
-        self.file, self.t_start, self.first_step_s = None, t_start, None
-        self.evaluated = False  # the first evaluation compiles its step (the watchdog pauses for it)
-        if jax.process_index() == 0:
-            path = run.dir / "metrics.jsonl"
-            if path.exists():  # a line cut short by a kill fails to parse and is dropped too
-                keep = [ln for ln in path.read_text().splitlines() if _step_of(ln) <= start]
-                path.with_suffix(".tmp").write_text("".join(ln + "\n" for ln in keep))
-                os.replace(path.with_suffix(".tmp"), path)
-            self.file = path.open("a", buffering=1)
-
-    def record(self, k: int, metrics: dict[str, jax.Array], last_good: str) -> dict[str, Any]:
-        """Blocks on step k's metrics; a non-finite loss or gradient norm raises NonFiniteError."""
-        m, now = jax.device_get(metrics), time.perf_counter()
-        loss, gnorm, dt = float(m.pop("loss")), float(m.pop("grad_norm")), now - self.t_last
-        if not (math.isfinite(loss) and math.isfinite(gnorm)):
-            raise NonFiniteError(
-                f"step {k}: loss {loss}, grad_norm {gnorm} is not finite; stopped without saving. The last good "
-                f"checkpoint is {last_good}: lower optimizer.lr or raise warmup_steps, then rerun to resume from it"
-            )
-        if not self.records:  # start-up cost: imports, data, compile (or the cache), init
-            self.first_step_s = now - self.t_start
-            self.say(f"first step done {self.first_step_s:.1f} s after start")
-        self.t_last = now
-        rec = dict(step=k, loss=loss, **{key: float(v) for key, v in m.items()}, grad_norm=gnorm)
-        rec.update({"lr": float(self.lrs[k - 1]), self.unit: self.units, "step_time": dt})
-        rate = self.units / dt
-        rec.update({f"{self.unit}_per_s": rate, "mfu": rate * self.flops if self.flops else None})
-        self.records.append(rec)
-        return rec
-
-    def emit(self, rec: dict[str, Any]) -> None:
-        if self.file:
-            self.file.write(json.dumps(rec) + "\n")
-        text = f"loss {rec['loss']:.3f}" + (f" | acc {rec['accuracy']:.1%}" if "accuracy" in rec else "")
-        text += f" | {rec[f'{self.unit}_per_s']:,.0f} {self.short}/s"
-        text += f" | MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
-        if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)  # shown by the update's refresh
-            self.bar.update(rec["step"] - self.bar.n)
-        elif rec["step"] % self.config.log_every == 0 or "val_loss" in rec:
-            self.say(f"step {rec['step']:>6}/{self.config.steps} | {text}")
-        if "val_loss" in rec:
-            self.say(f"step {rec['step']}: {_val_text(rec)}")
-
-    def close(self) -> None:
-        for f in (self.bar, self.file):
-            if f is not None:
-                f.close()
-
-
-def _val_text(rec: dict[str, Any]) -> str:
-    acc = f" | val_accuracy {rec['val_accuracy']:.2%}" if rec.get("val_accuracy") is not None else ""
-    more = "".join(f" | val_{k} {rec['val_' + k]:.4f}" for k in ("dice", "mae") if rec.get("val_" + k) is not None)
-    return f"val_loss {rec['val_loss']:.4f}{acc}{more}"
-
-
 def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any],
               progress: Callable[[], None] = lambda: None) -> dict[str, float]:  # fmt: skip
     """val_loss and val_<metric> for each of the loss's metrics: means over equal-sized batches, eval mode.
@@ -374,7 +241,7 @@ def _train(
         os.replace(run.dir / "config.json.tmp", run.dir / "config.json")
 
     val = task.val_batches(step)
-    log, pending, stopped = _Log(config, run, start, info["peak_flops"], say, bar, t0), None, None
+    log, pending, stopped = Log(config, run, start, info["peak_flops"], say, bar, t0), None, None
     last_good = lambda: f"step {ckpt.latest_step()} in {ckpt.directory}"
     every = resume.emergency_every(config)
     status = dict(run_dir=str(run.dir), process=jax.process_index(), processes=jax.process_count(),
@@ -382,12 +249,15 @@ def _train(
                   heartbeat_timeout=config.get("heartbeat_timeout", 60),
                   emergency_dir=str(local.directory.parent) if local else None)  # fmt: skip
     supervise.report(**status)  # the supervising parent's view (experiments/supervise.py), kept current
+    supervised = supervise.supervised()
     dog = Watchdog(config.get("watchdog", "auto"), run.dir / "logs", jax.process_index(),
                    lambda: supervise.resume_from(status))  # fmt: skip
     try:
-        with _Stop() as stop, dog:
+        with Stop() as stop, dog:
+            hang = injected_hang()  # the watchdog's tests: None in a real run
             for s in range(start, config.steps):
-                _injected_hang(s + 1)
+                if s + 1 == hang:
+                    hang_here()
                 batch = task.train_batch(step, s)
                 state, metrics = compiled(
                     state, step.prepare(batch)
@@ -419,7 +289,7 @@ def _train(
                         status["emergency"] = k
                     dog.beat(k)
                     log.t_last = time.perf_counter()
-                if supervise.supervised():
+                if supervised and (save or emergency or k % config.log_every == 0):  # a file write: not every step
                     supervise.report(**status | {"step": k - (pending is not None), "checkpoint": ckpt.latest_step()})
                 if stopping:
                     stopped = signal.Signals(stop.signal).name
@@ -456,7 +326,7 @@ def _summary(config: ml_collections.ConfigDict, run: Run, info: dict, recs: list
     elif last_val and "baseline_loss" in info:
         vs = f" | val_loss {last_val['val_loss']:.4f} vs predicting the mean {info['baseline_loss']:.4f}"
     elif last_val:
-        vs = f" | {_val_text(last_val)} (chance {info['chance_accuracy']:.1%})"
+        vs = f" | {val_text(last_val)} (chance {info['chance_accuracy']:.1%})"
     mfu = f" | MFU {summary['mfu']:.1%} median" if summary["mfu"] is not None else " | MFU not computed (no peak)"
     say(
         f"done: step {summary['step']} in {summary['wall_s']:.0f} s | loss {summary['loss']:.4f}{vs} | "

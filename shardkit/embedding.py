@@ -43,26 +43,31 @@ def lookup(table: jax.Array, tokens: jax.Array, names: Sequence[str], dtype: Any
     return kernel.fn(table, tokens, tuple(names), jnp.dtype(dtype), context=ctx)
 
 
-def _axes(rules: Any, name: str, mesh: Any) -> tuple[str, ...]:
-    return tuple(a for a in (rules.get(name) or ()) if a in mesh.shape and mesh.shape[a] > 1)
+def _axes(rules: Any, name: str, sizes: dict[str, int]) -> tuple[str, ...]:
+    return tuple(a for a in (rules.get(name) or ()) if sizes.get(a, 1) > 1)
 
 
 def local_plan(context: Any, names: Sequence[str], tokens_shape: Sequence[int]) -> tuple[tuple, tuple, tuple] | str:
     """(the axes splitting the table's columns, the batch's axes, the sequence's axes) for `local`, or why not."""
     if context is None or getattr(context, "param_rules", None) is None:
         return "it runs inside a train step, which knows how the table is laid out"
-    mesh, params, compute = context.mesh, context.param_rules, context.rules
+    return plan_of(context.mesh.shape, context.param_rules, context.rules, names, tokens_shape[0])
+
+
+def plan_of(mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: int) -> tuple[tuple, tuple, tuple] | str:
+    """`local_plan` from a mesh's axis sizes and the parameter and compute rules (no trace needed)."""
+    mesh = dict(mesh)
     vocab, embed = names
-    cols, batch, seq = _axes(params, embed, mesh), _axes(compute, "batch", mesh), _axes(compute, "seq", mesh)
+    cols, batch_axes, seq = _axes(params, embed, mesh), _axes(compute, "batch", mesh), _axes(compute, "seq", mesh)
     if _axes(params, vocab, mesh):
         return f"the table's {vocab!r} rows are split over {_axes(params, vocab, mesh)}"
     if not cols:
         return f"the table's {embed!r} columns are not split (nothing to gather)"
-    if not set(cols) <= set(batch) or set(cols) & set(seq):
-        return f"the table's columns are split over {cols}, which do not all split the batch ({batch})"
-    if tokens_shape[0] % math.prod(mesh.shape[a] for a in batch):
-        return f"{tokens_shape[0]} sequences do not split over the batch axes {batch}"
-    return cols, batch, seq
+    if not set(cols) <= set(batch_axes) or set(cols) & set(seq):
+        return f"the table's columns are split over {cols}, which do not all split the batch ({batch_axes})"
+    if batch % math.prod(mesh[a] for a in batch_axes):
+        return f"{batch} sequences do not split over the batch axes {batch_axes}"
+    return cols, batch_axes, seq
 
 
 def _gather(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
@@ -95,16 +100,13 @@ def _auto(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, cont
 def planned(strategy: Any, mesh: dict[str, int], batch: int, platform: str) -> str:
     """The kernel `strategy`'s `embed` slot runs on a mesh of these axis sizes for a batch of `batch` sequences
     ("local" or "gather"): what the cost models price, without tracing (models/gpt.py's cost hook)."""
-    from types import SimpleNamespace
-
     from shardkit.strategies import strategy as get_strategy
 
     s = get_strategy(strategy)
     name = s.kernels.get("embed", kernels.DEFAULTS["embed"])
     if name == "gather" or (name == "auto" and platform != "tpu"):
         return "gather"
-    context = SimpleNamespace(mesh=SimpleNamespace(shape=dict(mesh)), param_rules=s.param_rules, rules=s.compute_rules)
-    plan = local_plan(context, ("vocab", "embed"), (batch, 1))
+    plan = plan_of(mesh, s.param_rules, s.compute_rules, ("vocab", "embed"), batch)
     return "gather" if isinstance(plan, str) else "local"
 
 

@@ -62,6 +62,14 @@ def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def committed_steps(folder: str | os.PathLike[str]) -> list[int]:
+    """The steps one process has committed under `folder` (`<dir>/p<K>`), oldest first; [] if it is missing."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / MANIFEST).exists())
+
+
 class LocalCheckpointer:
     """This process's shards of a state, saved to `directory/p<process>/<step>/` (module docstring)."""
 
@@ -74,9 +82,7 @@ class LocalCheckpointer:
 
     def steps(self) -> list[int]:
         """The committed steps in this process's directory, oldest first (verified by `usable_steps`, not here)."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / MANIFEST).exists())
+        return committed_steps(self.directory)
 
     # ---------------------------------------------------------------------------------------------- saving
     def save(self, state: Any, meta: dict[str, Any] | None = None, step: int | None = None) -> Path:
@@ -184,4 +190,4 @@ class LocalCheckpointer:
         return jax.tree_util.tree_map_with_path(one, target), manifest["meta"]
 
 
-__all__ = ["LocalCheckpointer"]
+__all__ = ["LocalCheckpointer", "committed_steps"]
