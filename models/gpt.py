@@ -58,8 +58,9 @@ class GPTConfig:
     #: with fp32 compute. docs/performance.md, "The TPU program against MaxText's"
     logits_dot_in_fp32: bool = True
     #: > 0: the output projection and the cross-entropy run over the sequence in chunks of this many positions, each
-    #: recomputed in the backward (jax.checkpoint), so the [batch, seq, vocab] logits never exist at once; 0 = whole.
-    #: The same loss, summed in another order. docs/performance.md, "The TPU program against MaxText's"
+    #: chunk's gradients computed as soon as its loss is (a custom VJP), so the [batch, seq, vocab] logits never
+    #: exist at once and nothing is recomputed; 0 = whole. The same loss, summed in another order.
+    #: docs/performance.md, "The TPU program against MaxText's"
     loss_chunk: int = 0
     # mixture of experts (shardkit/parallel/moe.py): every block's MLP becomes `num_experts` SwiGLU experts
     num_experts: int = 0  # 0 = dense
@@ -396,27 +397,44 @@ class GPT(nnx.Module):
 
     def chunked_cross_entropy(self, x: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean cross-entropy of `self.logits(x)` against `targets` [batch, seq], `cfg.loss_chunk` positions at a
-        time: a scan whose body is rematerialised, so only one chunk's logits live, forward or backward. The head's
-        weight is laid out for the matmul once, before the loop (inside it, FSDP would gather it and reduce-scatter
-        its gradient once per chunk)."""
+        time, so only one chunk's logits ever live. Differentiated, the forward already computes each chunk's
+        gradients (the logits' cotangent is softmax - one-hot, known as soon as the chunk's loss is) and keeps
+        those, not the logits: the backward only scales them, so no chunk is recomputed and the FLOPs are the
+        unchunked program's. The head's weight is laid out for the matmul once, before the loop (inside it, FSDP
+        would gather it and reduce-scatter its gradient once per chunk)."""
         b, s = targets.shape
         c = self.cfg.loss_chunk
         if s % c:
             raise sk.ShardkitError(f"loss_chunk={c} must divide the sequence length {s}")
         with sk.scope("head"):
             w = sk.constrain(self.head_weight(), (EMBED, VOCAB))  # the compute layout: gathered here, once
+        n = s // c
+        chunk = lambda a, i: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=1)
+        ce_sum = lambda z, t: optax.softmax_cross_entropy_with_integer_labels(z, t).sum()
 
-        @jax.checkpoint
-        def chunk_sum(w: jax.Array, xc: jax.Array, tc: jax.Array) -> jax.Array:
-            return optax.softmax_cross_entropy_with_integer_labels(self.logits(xc, w), tc).sum()
+        def loss_sum(x: jax.Array, w: jax.Array, targets: jax.Array) -> jax.Array:
+            body = lambda total, i: (total + ce_sum(self.logits(chunk(x, i), w), chunk(targets, i)), None)
+            return jax.lax.scan(body, jnp.zeros((), _f32(x.dtype)), jnp.arange(n))[0]
 
-        def body(total: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
-            xc = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
-            tc = jax.lax.dynamic_slice_in_dim(targets, i * c, c, axis=1)
-            return total + chunk_sum(w, xc, tc), None
+        def loss_sum_fwd(x: jax.Array, w: jax.Array, targets: jax.Array) -> tuple[jax.Array, tuple]:
+            def body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
+                total, dx, dw = carry
+                logits, pullback = jax.vjp(self.logits, chunk(x, i), w)  # the same transposes autodiff takes
+                loss, dlogits = jax.value_and_grad(ce_sum)(logits, chunk(targets, i))
+                dxc, dwc = pullback(dlogits)
+                return (total + loss, jax.lax.dynamic_update_slice_in_dim(dx, dxc, i * c, axis=1), dw + dwc), None
 
-        total, _ = jax.lax.scan(body, jnp.zeros((), _f32(x.dtype)), jnp.arange(s // c))
-        return total / (b * s)
+            zeros = (jnp.zeros((), _f32(x.dtype)), jnp.zeros_like(x), jnp.zeros_like(w))
+            total, dx, dw = jax.lax.scan(body, zeros, jnp.arange(n))[0]
+            return total, (dx, dw)
+
+        def loss_sum_bwd(res: tuple, g: jax.Array) -> tuple:
+            dx, dw = res
+            return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None  # integer targets: no cotangent
+
+        fused = jax.custom_vjp(loss_sum)
+        fused.defvjp(loss_sum_fwd, loss_sum_bwd)
+        return fused(x, w, targets) / (b * s)
 
     def loss(self, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         return lm_loss(self, batch)

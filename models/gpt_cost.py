@@ -349,7 +349,7 @@ def memory(
 
 def logit_tokens(cfg: Any, tokens: float, seq_len: int) -> float:
     """How many positions' logits live at once: all of a device's `tokens`, or one chunk of each sequence under
-    `GPTConfig.loss_chunk` (the chunked loss rematerialises the others)."""
+    `GPTConfig.loss_chunk` (the chunked loss keeps each chunk's gradients, not its logits)."""
     chunk = getattr(cfg, "loss_chunk", 0) or 0
     return tokens * min(1.0, chunk / seq_len) if chunk else tokens
 

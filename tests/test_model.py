@@ -9,6 +9,7 @@ from flax import nnx
 
 import shardkit as sk
 from models.gpt import GPT, GPTConfig, rms_norm, rope
+from shardkit import hlo
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,14 @@ def test_a_chunked_loss_equals_the_whole_one_with_its_gradients():
         grads.append(jax.value_and_grad(loss_of)(params))
     (l0, g0), (l1, g1) = grads
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    # no chunk is recomputed: the differentiated chunked loss does the whole one's matmul FLOPs (the forward keeps
+    # each chunk's gradients, not its logits), and without differentiation only the forward's
+    flops = []
+    for m in (whole, chunked):
+        graphdef, params = nnx.split(m, nnx.Param)
+        loss_of = lambda p, g=graphdef: lm_loss(nnx.merge(g, p), batch)
+        flops += [hlo.matmul_flops(jax.jit(f).lower(params).compile()) for f in (jax.grad(loss_of), loss_of)]
+    assert flops[2:] == flops[:2] and flops[0] > 2 * flops[1], flops
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * np.abs(np.asarray(b)).max()
     # and in a sharded train step (fsdp over 8 devices): 3 SGD steps as the whole loss on one device (1e-5)

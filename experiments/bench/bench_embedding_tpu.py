@@ -70,7 +70,7 @@ def main() -> None:
     if a.logits_bf16:  # and MaxText's logits: the head's dot in bf16, cast to fp32 for the loss
         bf16 = GPTConfig(**{**cfg.__dict__, "logits_dot_in_fp32": False})
         runs["local, logits bf16"] = measure("local", a.target, a.mesh, bf16)
-        if a.loss_chunk:  # and the head + loss in chunks of positions, rematerialised
+        if a.loss_chunk:  # and the head + loss in chunks of positions (GPTConfig.loss_chunk)
             chunked = GPTConfig(**{**bf16.__dict__, "loss_chunk": a.loss_chunk})
             runs[f"local, logits bf16, loss_chunk {a.loss_chunk}"] = measure("local", a.target, a.mesh, chunked)
     g, loc = runs["gather"], runs["local"]

@@ -3,6 +3,11 @@
     python -m experiments.bench.bench_peers [--models tiny,mid] [--shardkit-remat full,none,none@host]
         [--maxtext-remat full,full@host,minimal] [--rounds 5] [--steps 5]
         [--maxtext-python /work/venv-maxtext/bin/python] [--out experiments/bench/results/bench_peers.json]
+    python -m experiments.bench.bench_peers --target v5e-8 [--meshes fsdp,tp,tp_sp] [--remat full,best]
+
+With --target, nothing runs: both train steps are compiled for that TPU topology by XLA's TPU compiler and their
+programs compared (memory, HBM bytes, FLOPs, collectives): experiments/bench/peers_tpu.py says how. The rest of
+this docstring is the CPU timing.
 
 MaxText is not a dependency of shardkit. It needs Python >= 3.12 and its wheel declares its requirements only
 under extras (`cuda12`, `tpu`, ...): a plain `pip install maxtext` installs the package without JAX. The `tpu`
@@ -203,11 +208,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--maxtext-python", default=MAXTEXT_PYTHON)
     parser.add_argument("--out", default=f"{RESULTS}/bench_peers.json")
     parser.add_argument("--logs", default="/tmp/bench_peers_logs", help="the children's stderr")
+    parser.add_argument(
+        "--target",
+        default="",
+        help="a TPU target (v5e-8): compile both sides for it, no timing "
+        "(experiments/bench/peers_tpu.py); --models and the timing flags are then ignored",
+    )
+    parser.add_argument("--meshes", default="fsdp,tp,tp_sp", help="with --target: of fsdp, tp, tp_sp")
+    parser.add_argument("--remat", default="full,best", help="with --target: of full, best")
     args = parser.parse_args(argv)
     version = maxtext_version(args.maxtext_python)
     if version is None:
         print(INSTALL)
         save_json({"maxtext": "missing", "maxtext_python": args.maxtext_python, "install": INSTALL}, args.out)
+        return
+    if args.target:
+        from experiments.bench import peers_tpu
+
+        out = args.out if args.out != parser.get_default("out") else f"{RESULTS}/bench_peers_tpu.json"
+        result = peers_tpu.run(args.target, args.meshes.split(","), args.remat.split(","), args.maxtext_python,
+                               Path(args.logs))  # fmt: skip
+        save_json({"maxtext": version, **result}, out)
         return
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)

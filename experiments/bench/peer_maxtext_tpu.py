@@ -1,0 +1,129 @@
+"""MaxText's train step compiled for a TPU topology on this host, as a child of `bench_peers --target`. Runs in
+MaxText's venv, never in shardkit's:
+
+    /work/venv-maxtext/bin/python experiments/bench/peer_maxtext_tpu.py '<json: model, target, mesh, remat>' OUT_DIR
+
+Follows MaxText's own ahead-of-time compile (`maxtext.trainers.pre_train.train_compile`: `get_topology_mesh`,
+`get_shaped_inputs`, `get_functional_train_with_signature`, `jit_and_compile`) with its packaged base.yml plus the
+overrides below (bf16 compute, fp32 weights, AdamW, scanned layers, its default attention: splash on TPU), and
+writes what the parent reads with shardkit's parser: OUT_DIR/maxtext.hlo (the compiled program's text) and
+OUT_DIR/maxtext.json (memory and cost analysis, the mesh, which device runs each partition, the parameter count,
+the versions). Imports nothing from shardkit: MaxText needs Python >= 3.12 and its own JAX.
+"""
+
+import importlib.metadata
+import json
+import os
+import sys
+import tempfile
+import time
+
+#: shardkit mesh axis -> MaxText's ici_*_parallelism key
+ICI = {"fsdp": "ici_fsdp_parallelism", "data": "ici_data_parallelism", "tensor": "ici_tensor_parallelism"}
+
+
+def overrides(m: dict, target: str, mesh: dict[str, int], remat: str) -> dict:
+    devices = 1
+    for n in mesh.values():
+        devices *= n
+    ici = {key: 1 for key in ICI.values()} | {ICI[axis]: n for axis, n in mesh.items()}
+    return {
+        "run_name": "bench_peers_tpu",
+        "base_output_directory": tempfile.mkdtemp(prefix="maxtext_tpu_"),
+        "hardware": "tpu",
+        "compile_topology": target,
+        "compile_topology_num_slices": 1,
+        "dataset_type": "synthetic",
+        "enable_checkpointing": False,
+        "enable_tensorboard": False,
+        "skip_jax_distributed_system": True,
+        "jax_cache_dir": "",
+        "steps": 10_000,
+        "per_device_batch_size": m["batch"] / devices,
+        "max_target_length": m["seq"],
+        "vocab_size": m["vocab"],
+        "base_emb_dim": m["d_model"],
+        "base_num_query_heads": m["heads"],
+        "base_num_kv_heads": m["kv_heads"],
+        "head_dim": m["head_dim"],
+        "base_mlp_dim": m["mlp_dim"],
+        "base_num_decoder_layers": m["layers"],
+        "decoder_block": "llama2",  # RMSNorm, RoPE, SwiGLU: shardkit's GPT
+        "dtype": "bfloat16",
+        "weight_dtype": "float32",
+        **ici,
+        "remat_policy": remat,
+        "scan_layers": True,
+        "enable_dropout": False,
+        "logits_via_embedding": False,  # untied output projection, as shardkit's GPT by default
+        "opt_type": "adamw",
+    }
+
+
+def count_params(abstract_state) -> int:
+    """The model's parameter count, as MaxText's train loop logs it (the state's nnx.Param leaves)."""
+    from flax import nnx
+
+    _, params, _ = nnx.split(abstract_state.model, nnx.Param, ...)
+    return int(sum(x.size for x in __import__("jax").tree.leaves(params)))
+
+
+def main() -> None:
+    spec, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+    import jax
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.pre_train import train, train_compile
+    from maxtext.utils import maxtext_utils, sharding
+
+    jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # as train_compile.main
+    base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
+    keys = overrides(spec["model"], spec["target"], spec["mesh"], spec["remat"])
+    config = pyconfig.initialize(["train_compile.py", base, *(f"{k}={v}" for k, v in keys.items())])
+    train_compile.validate_config(config)
+    mesh = train_compile.get_topology_mesh(config)
+    args, kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
+    params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
+    input_shardings = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
+    data_sharding = sharding.get_input_data_sharding(config, mesh)
+    func, in_shard, out_shard, static, donate = maxtext_utils.get_functional_train_with_signature(
+        train.train_step, data_sharding, input_shardings, model, config, params_shardings
+    )
+    t0 = time.perf_counter()
+    compiled = train_compile.jit_and_compile(func, args, kwargs, mesh, in_shard, out_shard, static, donate, config,
+                                             logical_axis_rules(config.logical_axis_rules))  # fmt: skip
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    params = count_params(args[0])
+    with open(os.path.join(out_dir, "maxtext.hlo"), "w") as f:
+        f.write(compiled.as_text())
+    try:
+        order = [d.id for d in compiled._executable._unloaded_executable.device_list]
+    except Exception:  # the partition -> device map is only a label for the collectives' axes
+        order = None
+    record = {
+        "compile_s": compile_s,
+        "memory": {
+            k: getattr(mem, k)
+            for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+        },
+        "hbm_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "flops": float(cost.get("flops", 0.0)),
+        "mesh": {
+            "axis_names": list(mesh.axis_names),
+            "shape": list(mesh.devices.shape),
+            "device_ids": [d.id for d in mesh.devices.flat],
+        },
+        "partition_device_ids": order,
+        "params": params,
+        "settings": keys,
+        "versions": {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "libtpu", "maxtext")},
+    }
+    with open(os.path.join(out_dir, "maxtext.json"), "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

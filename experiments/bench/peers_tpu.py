@@ -1,0 +1,192 @@
+"""shardkit's train step against MaxText's, both compiled for a TPU topology by XLA's TPU compiler on this host.
+
+    python -m experiments.bench.bench_peers --target v5e-8 [--meshes fsdp,tp,tp_sp] [--remat full,best]
+        [--maxtext-python /work/venv-maxtext/bin/python] [--out experiments/bench/results/bench_peers_tpu.json]
+
+No chip runs: each side's train step is lowered and compiled for the target's compile-only devices (libtpu's
+topology description), and the two compiled programs are read by one parser (`shardkit.hlo`) and the compiler's
+own analyses:
+- peak memory per device: arguments + outputs - aliased (donated) + temporaries (`memory_analysis`);
+- temporaries alone; HBM bytes accessed (`cost_analysis`, "bytes accessed");
+- matmul FLOPs counted with loop trip counts (`hlo.matmul_flops`: XLA's cost analysis counts a scan body once;
+  kernels are custom calls and not counted: the attention kernels are listed by name and count instead);
+- collectives by kind and mesh axes, in bytes one device sends (ring volume, `hlo.collectives`), and how many of
+  those bytes are inside loops (the layer scans) or outside (the embedding, the head, the optimizer).
+
+The model is issue #41's decoder: 8 layers x 1024, 8 heads x 128, SwiGLU 4096, vocabulary 32000 (untied), RoPE,
+RMSNorm; sequence 2048, global batch 16, bf16 compute, fp32 parameters, AdamW. Meshes: `fsdp` (fsdp=8: shardkit
+`fsdp`, MaxText ici_fsdp_parallelism=8), `tp` and `tp_sp` (data=2 x tensor=4: shardkit `tp` / `tp_sp`, both
+against MaxText's ici_data=2 x ici_tensor=4, which keeps the residual stream split over tensor as `tp_sp` does). Remat: `full` on both sides, and `best`, each side's least-recompute policy that keeps the
+matmuls' outputs (shardkit `dots_no_batch`, MaxText `minimal_with_context`). shardkit runs twice: with its
+defaults, and `lean` (GPTConfig logits_dot_in_fp32=False and loss_chunk=512; docs/performance.md).
+
+MaxText is compiled in its own venv by peer_maxtext_tpu.py (its `train_compile` path), which writes the program's
+text and analyses; this process parses them. Both sides should use the same jax and libtpu: the versions are
+recorded and a mismatch is printed. Nothing is timed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.metadata
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+#: issue #41's decoder (bench_peers' keys)
+MODEL = dict(layers=8, d_model=1024, heads=8, kv_heads=8, head_dim=128, mlp_dim=4096, vocab=32000, seq=2048, batch=16)
+#: name -> (shardkit mesh, shardkit strategy, MaxText's ici parallelism)
+MESHES = {
+    "fsdp": ("fsdp=8", "fsdp", {"fsdp": 8}),
+    "tp": ("data=2,tensor=4", "tp", {"data": 2, "tensor": 4}),
+    # MaxText's tensor parallelism shards the residual stream's sequence over `tensor` between the layers (its
+    # program all-gathers and reduce-scatters over tensor): Megatron's sequence parallelism, shardkit's `tp_sp`
+    "tp_sp": ("data=2,tensor=4", "tp_sp", {"data": 2, "tensor": 4}),
+}
+#: name -> (shardkit GPTConfig.remat, MaxText remat_policy)
+REMAT = {"full": ("full", "full"), "best": ("dots", "minimal_with_context")}
+#: shardkit's variants: GPTConfig overrides
+VARIANTS = {"default": {}, "lean": {"logits_dot_in_fp32": False, "loss_chunk": 512}}
+KERNEL_PREFIX = ("splash", "flash")  # attention kernels' custom-call names
+
+
+def program_figures(text: str, memory: dict[str, int], hbm: float, mesh: Any, device_ids: list[int] | None = None
+                    ) -> dict[str, Any]:  # fmt: skip
+    """One compiled program's figures (this module's docstring), from its text and analyses."""
+    from shardkit import hlo
+
+    peak = (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"] - memory["alias_size_in_bytes"]
+            + memory["temp_size_in_bytes"])  # fmt: skip
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    where = {"in loops": 0.0, "outside loops": 0.0}
+    for c in hlo.collectives(text, mesh, device_ids):
+        by_kind[f"{c.kind} {','.join(c.axes) or '-'}"] += c.bytes_sent
+        where["in loops" if c.in_loop else "outside loops"] += c.bytes_sent
+    kernels = collections.Counter()
+    for name, n in hlo.kernel_calls(text):
+        if name.startswith(KERNEL_PREFIX):
+            kernels[name] += n
+    return dict(
+        peak=peak,
+        temp=memory["temp_size_in_bytes"],
+        hbm_bytes_accessed=hbm,
+        matmul_flops=hlo.matmul_flops(text),
+        collective_bytes=sum(by_kind.values()),
+        collectives=dict(sorted(by_kind.items())),
+        collectives_where=where,
+        attention_kernels=dict(kernels),
+    )
+
+
+def shardkit_program(target: str, mesh_name: str, remat: str, variant: str) -> dict[str, Any]:
+    import jax.numpy as jnp
+    import optax
+
+    import shardkit as sk
+    from models.gpt import GPT, GPTConfig
+
+    m = MODEL
+    cfg = GPTConfig(num_layers=m["layers"], d_model=m["d_model"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
+                    head_dim=m["head_dim"], mlp_dim=m["mlp_dim"], vocab_size=m["vocab"], max_seq_len=m["seq"],
+                    dtype="bfloat16", param_dtype="float32", remat=REMAT[remat][0], **VARIANTS[variant])  # fmt: skip
+    spec, strategy, _ = MESHES[mesh_name]
+    mesh = sk.make_mesh(spec, target=target)
+    step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, strategy)
+    shape = ((m["batch"], m["seq"]), jnp.int32)
+    compiled = step.compile(step.abstract_state(), step.abstract_batch({"inputs": shape, "targets": shape}))
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    memory = {k: getattr(mem, k) for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                                           "temp_size_in_bytes")}  # fmt: skip
+    out = program_figures(compiled.as_text(), memory, float(cost.get("bytes accessed", 0.0)), mesh)
+    return dict(out, params=cfg.num_params(), settings=dict(mesh=spec, strategy=strategy, **dataclasses.asdict(cfg)))
+
+
+def maxtext_program(python: str, target: str, mesh_name: str, remat: str, log: Path) -> dict[str, Any]:
+    import jax
+
+    import shardkit as sk
+
+    spec = {"model": MODEL, "target": target, "mesh": MESHES[mesh_name][2], "remat": REMAT[remat][1]}
+    with tempfile.TemporaryDirectory(prefix="peer_maxtext_tpu_") as tmp:
+        argv = [python, str(ROOT / "experiments/bench/peer_maxtext_tpu.py"), json.dumps(spec), tmp]
+        with log.open("w") as f:
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=1800).returncode
+        if rc != 0:
+            raise RuntimeError(f"MaxText's compile for {mesh_name} / {remat} exited with {rc}; see {log}")
+        rec = json.loads(Path(tmp, "maxtext.json").read_text())
+        text = Path(tmp, "maxtext.hlo").read_text()
+    by_id = {d.id: d for d in sk.targets.target(target).devices}
+    ids = rec["mesh"]["device_ids"]
+    mesh = jax.sharding.Mesh(np.array([by_id[i] for i in ids]).reshape(rec["mesh"]["shape"]),
+                             tuple(rec["mesh"]["axis_names"]))  # fmt: skip
+    out = program_figures(text, rec["memory"], rec["hbm_bytes_accessed"], mesh, rec["partition_device_ids"])
+    return dict(out, params=rec["params"], settings=rec["settings"], versions=rec["versions"],
+                compile_s=rec["compile_s"])  # fmt: skip
+
+
+RATIO_KEYS = ("peak", "temp", "hbm_bytes_accessed", "matmul_flops", "collective_bytes")
+FMT = {"peak": lambda x: f"{x / 2**30:.3f} GiB", "temp": lambda x: f"{x / 2**30:.3f} GiB",
+       "hbm_bytes_accessed": lambda x: f"{x / 1e9:.2f} GB", "matmul_flops": lambda x: f"{x / 1e12:.3f} T",
+       "collective_bytes": lambda x: f"{x / 1e6:.1f} MB"}  # fmt: skip
+
+
+def table(cells: dict[str, dict[str, Any]]) -> str:
+    """One block per (mesh, remat): each figure for every side, and shardkit / MaxText for each variant."""
+    lines = []
+    for cell, runs in cells.items():
+        mt = runs["maxtext"]
+        lines.append(f"{cell}:")
+        sides = list(runs)
+        lines.append(f"  {'':28s}" + "".join(f"{s:>18s}" for s in sides))
+        for key in RATIO_KEYS:
+            row = "".join(f"{FMT[key](runs[s][key]):>18s}" for s in sides)
+            ratios = ", ".join(f"{s} {runs[s][key] / mt[key]:.2f}x" for s in sides if s != "maxtext" and mt[key])
+            lines.append(f"  {key:28s}{row}   (vs MaxText: {ratios})")
+        kinds = sorted({k for s in sides for k in runs[s]["collectives"]})
+        for kind in kinds:
+            row = "".join(f"{runs[s]['collectives'].get(kind, 0.0) / 1e6:>15.1f} MB" for s in sides)
+            lines.append(f"    {kind:26s}{row}")
+        for w in ("in loops", "outside loops"):
+            row = "".join(f"{runs[s]['collectives_where'][w] / 1e6:>15.1f} MB" for s in sides)
+            lines.append(f"    {'collectives ' + w:26s}{row}")
+        lines.append(
+            "    attention kernels: "
+            + "; ".join(
+                f"{s} " + ", ".join(f"{k} x{n}" for k, n in runs[s]["attention_kernels"].items()) for s in sides
+            )
+        )
+    return "\n".join(lines)
+
+
+def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, logs: Path) -> dict[str, Any]:
+    """Compiles every (mesh, remat) cell for both sides; returns the JSON record (and prints as it goes)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    cells: dict[str, dict[str, Any]] = {}
+    maxtext: dict[tuple, dict[str, Any]] = {}  # one MaxText compile per (its mesh, its remat): tp and tp_sp share
+    for mesh_name in meshes:
+        for remat in remats:
+            cell = f"{mesh_name}, remat {remat} (shardkit {REMAT[remat][0]}, MaxText {REMAT[remat][1]})"
+            runs = {f"shardkit {v}": shardkit_program(target, mesh_name, remat, v) for v in VARIANTS}
+            key = (json.dumps(MESHES[mesh_name][2]), remat)
+            if key not in maxtext:
+                log = logs / f"maxtext_{mesh_name}_{remat}.log"
+                maxtext[key] = maxtext_program(maxtext_python, target, mesh_name, remat, log)
+            runs["maxtext"] = maxtext[key]
+            cells[cell] = runs
+            print(table({cell: runs}), flush=True)
+    ours = {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "libtpu")}
+    theirs = next(iter(cells.values()))["maxtext"]["versions"]
+    if any(theirs.get(p) != v for p, v in ours.items()):
+        print(f"note: the two sides were compiled by different versions: shardkit {ours}, MaxText {theirs}")
+    params = {c: {s: r["params"] for s, r in runs.items()} for c, runs in cells.items()}
+    if any(len(set(p.values())) > 1 for p in params.values()):
+        print(f"note: parameter counts differ: {params}")
+    return {"target": target, "model": MODEL, "versions": {"shardkit": ours, "maxtext": theirs}, "cells": cells}
