@@ -400,33 +400,35 @@ class GPT(nnx.Module):
         time, so only one chunk's logits ever live. Differentiated, the forward already computes each chunk's
         gradients (the logits' cotangent is softmax - one-hot, known as soon as the chunk's loss is) and keeps
         those, not the logits: the backward only scales them, so no chunk is recomputed and the FLOPs are the
-        unchunked program's. The head's weight is laid out for the matmul once, before the loop (inside it, FSDP
-        would gather it and reduce-scatter its gradient once per chunk)."""
+        unchunked program's. The head's weight and input are laid out for the matmul once, before the loop (inside
+        it, FSDP would gather the weight and reduce-scatter its gradient once per chunk, and sequence parallelism
+        would gather the input once per chunk). A chunk takes every (seq / loss_chunk)-th position, so that where
+        the sequence is split (context parallelism), each device's chunk is its own positions."""
         b, s = targets.shape
         c = self.cfg.loss_chunk
         if s % c:
             raise sk.ShardkitError(f"loss_chunk={c} must divide the sequence length {s}")
-        with sk.scope("head"):
-            w = sk.constrain(self.head_weight(), (EMBED, VOCAB))  # the compute layout: gathered here, once
+        with sk.scope("head"):  # the compute layouts: gathered here, once
+            w = sk.constrain(self.head_weight(), (EMBED, VOCAB))
+            x = sk.constrain(x, (BATCH, SEQ, EMBED))
         n = s // c
-        chunk = lambda a, i: jax.lax.dynamic_slice_in_dim(a, i * c, c, axis=1)
+        strided = lambda a: jnp.moveaxis(a.reshape(b, c, n, *a.shape[2:]), 2, 0)  # [n, b, c, ...]: chunk i
         ce_sum = lambda z, t: optax.softmax_cross_entropy_with_integer_labels(z, t).sum()
 
         def loss_sum(x: jax.Array, w: jax.Array, targets: jax.Array) -> jax.Array:
-            body = lambda total, i: (total + ce_sum(self.logits(chunk(x, i), w), chunk(targets, i)), None)
-            return jax.lax.scan(body, jnp.zeros((), _f32(x.dtype)), jnp.arange(n))[0]
+            body = lambda total, xt: (total + ce_sum(self.logits(xt[0], w), xt[1]), None)
+            return jax.lax.scan(body, jnp.zeros((), _f32(x.dtype)), (strided(x), strided(targets)))[0]
 
         def loss_sum_fwd(x: jax.Array, w: jax.Array, targets: jax.Array) -> tuple[jax.Array, tuple]:
-            def body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
-                total, dx, dw = carry
-                logits, pullback = jax.vjp(self.logits, chunk(x, i), w)  # the same transposes autodiff takes
-                loss, dlogits = jax.value_and_grad(ce_sum)(logits, chunk(targets, i))
+            def body(carry: tuple, xt: tuple) -> tuple[tuple, jax.Array]:
+                logits, pullback = jax.vjp(self.logits, xt[0], w)  # the same transposes autodiff takes
+                loss, dlogits = jax.value_and_grad(ce_sum)(logits, xt[1])
                 dxc, dwc = pullback(dlogits)
-                return (total + loss, jax.lax.dynamic_update_slice_in_dim(dx, dxc, i * c, axis=1), dw + dwc), None
+                return (carry[0] + loss, carry[1] + dwc), dxc
 
-            zeros = (jnp.zeros((), _f32(x.dtype)), jnp.zeros_like(x), jnp.zeros_like(w))
-            total, dx, dw = jax.lax.scan(body, zeros, jnp.arange(n))[0]
-            return total, (dx, dw)
+            zeros = (jnp.zeros((), _f32(x.dtype)), jnp.zeros_like(w))
+            (total, dw), dx = jax.lax.scan(body, zeros, (strided(x), strided(targets)))
+            return total, (jnp.moveaxis(dx, 0, 2).reshape(x.shape), dw)
 
         def loss_sum_bwd(res: tuple, g: jax.Array) -> tuple:
             dx, dw = res

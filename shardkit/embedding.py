@@ -12,8 +12,13 @@
   of its own tokens, in the compute dtype. The backward is the reverse all-to-all and a scatter-add into the
   device's own columns: no table-sized collective or gradient (the data-parallel replicas of a column slice are
   summed by the `shard_map`'s transpose, a psum over the other batch axes, as for any parameter).
-- `auto` (the default): `local` where it applies and the program is for a TPU (chosen from the mesh's devices,
-  `rules.compile_platform`), else `gather`: CPU programs are unchanged, GPUs are not measured.
+- `vocab`: Megatron's vocabulary-parallel embedding (Shoeybi et al. 2019, "Megatron-LM", section 3). Where the
+  table's vocabulary rows are split over axes that do not split the tokens (tensor parallelism's `tensor`), each
+  device looks its tokens up in its own rows (a token outside them gives zeros) and the rows are summed over those
+  axes (one all-reduce of the activations). The backward scatter-adds into the device's own rows: no table-sized
+  gradient, where GSPMD's gather builds the whole table's gradient on every device and all-reduces it.
+- `auto` (the default): `local`, else `vocab`, where it applies and the program is for a TPU (chosen from the
+  mesh's devices, `rules.compile_platform`), else `gather`: CPU programs are unchanged, GPUs are not measured.
 
 `local` needs the parameter rules of the table (which columns each device holds): the train step puts them in
 the tracing context (`rules.use_rules(..., param_rules=...)`); where they are missing, or the table's vocabulary is
@@ -70,6 +75,26 @@ def plan_of(mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: i
     return cols, batch_axes, seq
 
 
+def vocab_plan(context: Any, names: Sequence[str], tokens_shape: Sequence[int]) -> tuple[tuple, tuple, tuple] | str:
+    """(the axes splitting the table's rows, the batch's axes, the sequence's axes) for `vocab`, or why not."""
+    if context is None or getattr(context, "param_rules", None) is None:
+        return "it runs inside a train step, which knows how the table is laid out"
+    return vocab_plan_of(context.mesh.shape, context.param_rules, context.rules, names, tokens_shape[0])
+
+
+def vocab_plan_of(mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: int) -> tuple | str:
+    """`vocab_plan` from a mesh's axis sizes and the parameter and compute rules (no trace needed)."""
+    mesh, (vocab, embed), n = dict(mesh), names, batch
+    rows, batch, seq = _axes(params, vocab, mesh), _axes(compute, "batch", mesh), _axes(compute, "seq", mesh)
+    if not rows:
+        return f"the table's {vocab!r} rows are not split"
+    if _axes(params, embed, mesh) or set(rows) & (set(batch) | set(seq)):
+        return f"the table is split over more than its rows' {rows}, or they also split the tokens"
+    if n % math.prod(mesh[a] for a in batch):
+        return f"{n} sequences do not split over the batch axes {batch}"
+    return rows, batch, seq
+
+
 def _gather(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
     return jnp.take(constrain(table, names), tokens, axis=0).astype(dtype)
 
@@ -91,28 +116,51 @@ def _local(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, con
                          axis_names=manual)(table, tokens)  # fmt: skip
 
 
+def _vocab(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
+    plan = vocab_plan(context, names, tokens.shape)
+    if isinstance(plan, str):
+        raise ShardkitError(f"embed kernel 'vocab': {plan}; use embed=gather (or auto, which falls back)")
+    rows, batch, seq = plan
+
+    def body(mine: jax.Array, ids: jax.Array) -> jax.Array:
+        first = jax.lax.axis_index(rows) * mine.shape[0]  # my rows are [first, first + len)
+        local = ids - first
+        inside = (local >= 0) & (local < mine.shape[0])
+        found = jnp.take(mine, jnp.where(inside, local, 0), axis=0) * inside[..., None].astype(mine.dtype)
+        return jax.lax.psum(found.astype(dtype), rows)  # each token's row is on exactly one device
+
+    ids = P(batch or None, seq or None)
+    return jax.shard_map(body, mesh=context.mesh, in_specs=(P(rows, None), ids), out_specs=P(*ids, None),
+                         axis_names=set(rows) | set(batch) | set(seq))(table, tokens)  # fmt: skip
+
+
 def _auto(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
-    mesh = getattr(context, "mesh", None)
-    use_local = compile_platform(mesh) == "tpu" and not isinstance(local_plan(context, names, tokens.shape), str)
-    return (_local if use_local else _gather)(table, tokens, names, dtype, context=context)
+    if compile_platform(getattr(context, "mesh", None)) == "tpu":
+        for plan, kernel in ((local_plan, _local), (vocab_plan, _vocab)):
+            if not isinstance(plan(context, names, tokens.shape), str):
+                return kernel(table, tokens, names, dtype, context=context)
+    return _gather(table, tokens, names, dtype, context=context)
 
 
 def planned(strategy: Any, mesh: dict[str, int], batch: int, platform: str) -> str:
     """The kernel `strategy`'s `embed` slot runs on a mesh of these axis sizes for a batch of `batch` sequences
-    ("local" or "gather"): what the cost models price, without tracing (models/gpt.py's cost hook)."""
+    ("local", "vocab" or "gather"): what the cost models price, without tracing (models/gpt.py's cost hook)."""
     from shardkit.strategies import strategy as get_strategy
 
     s = get_strategy(strategy)
     name = s.kernels.get("embed", kernels.DEFAULTS["embed"])
     if name == "gather" or (name == "auto" and platform != "tpu"):
         return "gather"
-    plan = plan_of(mesh, s.param_rules, s.compute_rules, ("vocab", "embed"), batch)
-    return "gather" if isinstance(plan, str) else "local"
+    args = (mesh, s.param_rules, s.compute_rules, ("vocab", "embed"), batch)
+    if name in ("auto", "local") and not isinstance(plan_of(*args), str):
+        return "local"
+    return "vocab" if name in ("auto", "vocab") and not isinstance(vocab_plan_of(*args), str) else "gather"
 
 
 kernels.register("embed", "gather", _gather, description="jnp.take under GSPMD (the table gathered where split)")
 kernels.register("embed", "local", _local, description="each device's own columns + one all-to-all (MaxText's)")
-kernels.register("embed", "auto", _auto, description="local on TPU where it applies, else gather")
+kernels.register("embed", "vocab", _vocab, description="each device's own rows + one all-reduce (Megatron's)")
+kernels.register("embed", "auto", _auto, description="local, else vocab, on TPU where they apply, else gather")
 kernels.DEFAULTS["embed"] = "auto"
 
-__all__ = ["local_plan", "lookup", "planned"]
+__all__ = ["local_plan", "lookup", "planned", "vocab_plan"]

@@ -1,5 +1,6 @@
-"""shardkit/embedding.py: the `local` lookup (each device's own columns of the table, one all-to-all) trains like
-one device, and compiles to the all-to-alls instead of the table-sized all-gather and gradient reduction.
+"""shardkit/embedding.py: the `local` lookup (each device's own columns of the table, one all-to-all) and the `vocab`
+lookup (each device's own rows, one all-reduce) train like one device, and compile to their collectives instead of
+the table-sized all-gather and gradient reduction.
 
 Tolerance: fp32, 3 SGD steps against one device, as tests/test_parity.py: the lookup is pure data movement (the
 same rows, exactly), and the table's gradient is the same scatter-add summed in another order: 1e-5 relative on
@@ -78,3 +79,43 @@ def test_local_equals_the_gather_wherever_auto_takes_it_on_tpu(strategy, spec, m
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6)
     ref = runs[0][1]["embed"]
     assert np.abs(runs[1][1]["embed"] - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("strategy", ["tp", "tp_sp"])
+def test_vocab_parallel_lookup_trains_like_one_device(one_device, strategy):
+    """`vocab` (Megatron's vocabulary-parallel embedding) under tp / tp_sp on data=4 x tensor=2: the same losses and
+    parameters as one device (1e-5, the module's tolerance). It is what `auto` takes on a TPU there."""
+    mesh = sk.make_mesh("data=4,tensor=2")
+    assert sk.embedding.planned(strategy, dict(mesh.shape), B, "tpu") == "vocab"
+    assert sk.embedding.planned(strategy, dict(mesh.shape), B, "cpu") == "gather"
+    losses, params, _, _ = train(mesh, sk.strategy(strategy).replace(kernels={"embed": "vocab"}))
+    np.testing.assert_allclose(losses, one_device[0], rtol=1e-5)
+    for name in ("embed", "head"):
+        ref = one_device[1][name]
+        assert np.abs(params[name] - ref).max() <= 1e-5 * np.abs(ref).max(), name
+
+
+def test_vocab_parallel_lookup_on_the_tpu_compiler_reduces_no_table_sized_gradient():
+    """tp_sp compiled for a v5e-8 (data=4 x tensor=2) by XLA's TPU compiler: with GSPMD's gather, each device builds
+    the whole table's fp32 gradient (its tokens are a sequence shard, not a vocabulary shard) and all-reduces it
+    over data x tensor; with `vocab` (auto's choice there) no all-reduce over tensor is table-sized."""
+    import jax.numpy as jnp
+    import optax
+
+    from models.gpt import GPT
+
+    mesh, table = sk.make_mesh("data=4,tensor=2", target="v5e-8"), TINY.vocab_size * TINY.d_model * 4
+    big = []
+    for kernel in ("gather", "auto"):
+        strategy = sk.strategy("tp_sp").replace(kernels={**sk.strategy("tp_sp").kernels, "embed": kernel})
+        step = sk.make_train_step(sk.abstract_model(lambda r: GPT(TINY, rngs=r)), optax.sgd(0.1), mesh, strategy)
+        shape = ((B, S), jnp.int32)
+        compiled = step.compile(step.abstract_state(), step.abstract_batch({"inputs": shape, "targets": shape}))
+        colls = hlo.collectives(compiled, mesh)
+        big.append([c for c in colls if c.kind == "all-reduce" and "tensor" in c.axes and c.operand_bytes >= table])
+    assert big[0] and not big[1], big
+
+
+def test_vocab_refuses_a_table_split_on_its_columns():
+    with pytest.raises(sk.ShardkitError, match=r"embed kernel 'vocab': the table's 'vocab' rows are not split"):
+        train(sk.make_mesh("data=2,fsdp=4"), sk.strategy("fsdp").replace(kernels={"embed": "vocab"}), steps=1)

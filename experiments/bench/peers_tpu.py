@@ -16,8 +16,9 @@ own analyses:
 The model is issue #41's decoder: 8 layers x 1024, 8 heads x 128, SwiGLU 4096, vocabulary 32000 (untied), RoPE,
 RMSNorm; sequence 2048, global batch 16, bf16 compute, fp32 parameters, AdamW. Meshes: `fsdp` (fsdp=8: shardkit
 `fsdp`, MaxText ici_fsdp_parallelism=8), `tp` and `tp_sp` (data=2 x tensor=4: shardkit `tp` / `tp_sp`, both
-against MaxText's ici_data=2 x ici_tensor=4, which keeps the residual stream split over tensor as `tp_sp` does). Remat: `full` on both sides, and `best`, each side's least-recompute policy that keeps the
-matmuls' outputs (shardkit `dots_no_batch`, MaxText `minimal_with_context`). shardkit runs twice: with its
+against MaxText's ici_data=2 x ici_tensor=4, which keeps the residual stream split over tensor as `tp_sp` does).
+Remat: `full` on both sides, and `best`, each side's least-recompute policy that keeps the matmuls' outputs
+(shardkit `dots_no_batch`, MaxText `minimal_with_context`). shardkit runs twice: with its
 defaults, and `lean` (GPTConfig logits_dot_in_fp32=False and loss_chunk=512; docs/performance.md).
 
 MaxText is compiled in its own venv by peer_maxtext_tpu.py (its `train_compile` path), which writes the program's
@@ -166,6 +167,20 @@ def table(cells: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown(cells: dict[str, dict[str, Any]]) -> str:
+    """The comparison as docs/performance.md shows it: a row per (cell, figure), shardkit lean / MaxText."""
+    rows = [
+        "| mesh, remat | figure | shardkit default | shardkit lean | MaxText | lean / MaxText |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell, runs in cells.items():
+        for key in RATIO_KEYS:
+            d, lean, mt = (runs[s][key] for s in ("shardkit default", "shardkit lean", "maxtext"))
+            rows.append(f"| {cell.split(' (')[0]} | {key} | {FMT[key](d)} | {FMT[key](lean)} | {FMT[key](mt)} | "
+                        f"**{lean / mt:.2f}x** |")  # fmt: skip
+    return "\n".join(rows)
+
+
 def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, logs: Path) -> dict[str, Any]:
     """Compiles every (mesh, remat) cell for both sides; returns the JSON record (and prints as it goes)."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -189,4 +204,5 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
     params = {c: {s: r["params"] for s, r in runs.items()} for c, runs in cells.items()}
     if any(len(set(p.values())) > 1 for p in params.values()):
         print(f"note: parameter counts differ: {params}")
+    print(markdown(cells))
     return {"target": target, "model": MODEL, "versions": {"shardkit": ours, "maxtext": theirs}, "cells": cells}
