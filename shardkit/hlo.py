@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -109,12 +109,10 @@ def parse_replica_groups(value: str, num_devices: int) -> list[list[int]]:
     raise ShardkitError(f"unknown replica_groups format {value[:80]!r}; add a parser to shardkit.hlo._RG_FORMATS")
 
 
-def _coords(compiled: Any, mesh: jax.sharding.Mesh, device_ids: Sequence[int] | None = None) -> np.ndarray:
+def _coords(compiled: Any, mesh: jax.sharding.Mesh) -> np.ndarray:
     """Row i: the mesh coordinates of partition id i, which runs on the executable's i-th device: its runtime's, or
-    for compile-only TPU devices (no runtime) the devices it was compiled for; for text, the device `device_ids[i]`
-    where given, else mesh.devices.flat[i]."""
-    ids = {d.id: pos for pos, d in enumerate(mesh.devices.flat)}
-    order = [ids[i] for i in device_ids] if device_ids is not None and set(device_ids) <= set(ids) else []
+    for compile-only TPU devices (no runtime) the devices it was compiled for; for text, mesh.devices.flat[i]."""
+    ids, order = {d.id: pos for pos, d in enumerate(mesh.devices.flat)}, []
     runtime = lambda: compiled.runtime_executable().local_devices()
     compiled_for = lambda: compiled._executable._unloaded_executable.device_list
     for devices in (runtime, compiled_for):
@@ -187,12 +185,8 @@ def _pairs(ins: _Instr) -> list[list[int]]:
     return [_ints(g) for g in re.findall(r"\{([\d,\s]+)", pm.group(1))] if pm else []
 
 
-def collectives(
-    compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh, device_ids: Sequence[int] | None = None
-) -> list[Collective]:
+def collectives(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list[Collective]:
     """The collectives of one step of a compiled executable (a jax `Compiled` or its `as_text()`).
-    `device_ids`: for text compiled elsewhere (another process, another library), the id of the device that runs
-    each partition, so that replica groups map onto `mesh`'s axes (a `Compiled` knows its own).
 
     Rows with equal (kind, axes, result_bytes, operand_bytes, in_loop) are merged with summed counts;
     sorted by bytes_sent, largest first. Async `-start`/`-done` pairs count once.
@@ -202,7 +196,7 @@ def collectives(
     if not isinstance(text, str) or "ENTRY" not in text:
         raise ShardkitError("collectives() needs a jax Compiled (jax.jit(f).lower(...).compile()) or its as_text()")
     mod = _parse_module(text)
-    coords = _coords(compiled_or_hlo_text, mesh, device_ids)
+    coords = _coords(compiled_or_hlo_text, mesh)
     head = re.search(r"num_partitions=(\d+)", text), re.search(r"replica_count=(\d+)", text)
     n_dev = math.prod(int(h.group(1)) for h in head if h) if any(head) else mesh.devices.size
     types = {name: i.type for name, i in mod.by_name.items()}
