@@ -90,6 +90,8 @@ class GPTConfig:
             raise sk.ShardkitError(f"num_experts={self.num_experts}, top_k={self.top_k}: experts >= 0, top_k 1 or 2")
         if self.num_experts and self.top_k > self.num_experts:
             raise sk.ShardkitError(f"top_k={self.top_k} needs at least that many experts, not {self.num_experts}")
+        if self.loss_chunk < 0:
+            raise sk.ShardkitError(f"loss_chunk={self.loss_chunk}: positions per chunk (> 0), or 0 for the whole loss")
         if self.remat not in REMAT_ALIASES:
             choices = ", ".join(REMAT_ALIASES)
             raise sk.ShardkitError(f"remat={self.remat!r}: choose one of {choices} (any other policy: the strategy's "

@@ -79,6 +79,8 @@ def test_a_chunked_loss_equals_the_whole_one_with_its_gradients():
     # and in a sharded train step (fsdp over 8 devices): 3 SGD steps as the whole loss on one device (1e-5)
     sharded = train(sk.make_mesh("data=2,fsdp=4"), "fsdp", cfg=GPTConfig(**{**TINY.__dict__, "loss_chunk": 8}))
     np.testing.assert_allclose(sharded[0], train(one_device_mesh(), "dp")[0], rtol=1e-5)
+    with pytest.raises(sk.ShardkitError, match="loss_chunk=-1: positions per chunk"):
+        GPTConfig(**{**TINY.__dict__, "loss_chunk": -1})
     with pytest.raises(sk.ShardkitError, match="loss_chunk=7 must divide"):
         lm_loss(GPT(GPTConfig(**{**TINY.__dict__, "loss_chunk": 7}), rngs=nnx.Rngs(0)), batch)
 
