@@ -99,11 +99,14 @@ def _gather(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, co
     return jnp.take(constrain(table, names), tokens, axis=0).astype(dtype)
 
 
-def _local(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
-    plan = local_plan(context, names, tokens.shape)
+def _planned(kernel: str, plan: tuple | str) -> tuple:
     if isinstance(plan, str):
-        raise ShardkitError(f"embed kernel 'local': {plan}; use embed=gather (or auto, which falls back)")
-    cols, batch, seq = plan
+        raise ShardkitError(f"embed kernel {kernel!r}: {plan}; use embed=gather (or auto, which falls back)")
+    return plan
+
+
+def _local(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
+    cols, batch, seq = _planned("local", local_plan(context, names, tokens.shape))
 
     def body(columns: jax.Array, ids: jax.Array) -> jax.Array:
         group = jax.lax.all_gather(ids, cols, axis=0, tiled=True)  # the ids of every device sharing my columns
@@ -117,10 +120,7 @@ def _local(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, con
 
 
 def _vocab(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
-    plan = vocab_plan(context, names, tokens.shape)
-    if isinstance(plan, str):
-        raise ShardkitError(f"embed kernel 'vocab': {plan}; use embed=gather (or auto, which falls back)")
-    rows, batch, seq = plan
+    rows, batch, seq = _planned("vocab", vocab_plan(context, names, tokens.shape))
 
     def body(mine: jax.Array, ids: jax.Array) -> jax.Array:
         first = jax.lax.axis_index(rows) * mine.shape[0]  # my rows are [first, first + len)

@@ -13,50 +13,34 @@ the versions). Imports nothing from shardkit: MaxText needs Python >= 3.12 and i
 
 import importlib.metadata
 import json
+import math
 import os
 import sys
 import tempfile
 import time
+
+import peer_maxtext  # its sibling, the CPU timing child: the same model keys (this file's folder is on sys.path)
 
 #: shardkit mesh axis -> MaxText's ici_*_parallelism key
 ICI = {"fsdp": "ici_fsdp_parallelism", "data": "ici_data_parallelism", "tensor": "ici_tensor_parallelism"}
 
 
 def overrides(m: dict, target: str, mesh: dict[str, int], remat: str) -> dict:
-    devices = 1
-    for n in mesh.values():
-        devices *= n
+    """peer_maxtext.py's keys for the model `m` (its CPU timing child), for the TPU `target`: bf16 compute, the mesh
+    `mesh` (shardkit axis -> size), MaxText's default attention (splash on TPU), remat policy `remat`."""
+    devices = math.prod(mesh.values())
+    keys = peer_maxtext.overrides({**m, "maxtext_remat": remat}, devices)
+    keys.pop("attention")  # its default, "autoselected": splash on TPU, as shardkit's auto block
     ici = {key: 1 for key in ICI.values()} | {ICI[axis]: n for axis, n in mesh.items()}
     return {
+        **keys,
+        **ici,
         "run_name": "bench_peers_tpu",
         "base_output_directory": tempfile.mkdtemp(prefix="maxtext_tpu_"),
         "hardware": "tpu",
         "compile_topology": target,
         "compile_topology_num_slices": 1,
-        "dataset_type": "synthetic",
-        "enable_checkpointing": False,
-        "enable_tensorboard": False,
-        "skip_jax_distributed_system": True,
-        "jax_cache_dir": "",
-        "steps": 10_000,
-        "per_device_batch_size": m["batch"] / devices,
-        "max_target_length": m["seq"],
-        "vocab_size": m["vocab"],
-        "base_emb_dim": m["d_model"],
-        "base_num_query_heads": m["heads"],
-        "base_num_kv_heads": m["kv_heads"],
-        "head_dim": m["head_dim"],
-        "base_mlp_dim": m["mlp_dim"],
-        "base_num_decoder_layers": m["layers"],
-        "decoder_block": "llama2",  # RMSNorm, RoPE, SwiGLU: shardkit's GPT
         "dtype": "bfloat16",
-        "weight_dtype": "float32",
-        **ici,
-        "remat_policy": remat,
-        "scan_layers": True,
-        "enable_dropout": False,
-        "logits_via_embedding": False,  # untied output projection, as shardkit's GPT by default
-        "opt_type": "adamw",
     }
 
 
