@@ -17,11 +17,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 import shardkit as sk
 from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
+from models.gpt_loss import chunked_cross_entropy
 
 #: The values every block tags for the `names:` / `offload:` remat policies (docs/memory.md): the fused Q/K/V projection
 #: [b, s, kv_heads, g + 2, head_dim], the attention kernel's output [b, s, heads, head_dim] and its output projection
@@ -154,7 +154,7 @@ class GPTConfig:
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         block = sk.attention.blocks.planned(strategy, mesh, seq, backend)  # splash on TPU: no [s, s] scores kept
         fused = block in ("splash", "flash")
-        embed = sk.embedding.planned(strategy, mesh, batch, backend)  # TPU, fsdp: each device's own columns
+        embed = sk.embedding.planned(strategy, mesh, batch, backend)  # gather, or on TPU local / vocab
         comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend, fused,
                                            embed == "local"))  # fmt: skip
         memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
@@ -322,14 +322,11 @@ def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Ar
     "moe_dropped"}), the MoE terms averaged over layers."""
     extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
     cfg = model.cfg
+    out, aux = model(batch["inputs"], **extra, return_aux=True, return_hidden=bool(cfg.loss_chunk))
     if cfg.loss_chunk:  # the head and the loss chunk by chunk: no [batch, seq, vocab] buffer (GPTConfig.loss_chunk)
-        x, aux = model(batch["inputs"], **extra, return_aux=True, return_hidden=True)
-        ce = model.chunked_cross_entropy(x, batch["targets"])
-    elif not cfg.num_experts:
-        return sk.train.cross_entropy(model(batch["inputs"], **extra), batch["targets"])
+        ce = chunked_cross_entropy(model.logits, model.head_weight(), out, batch["targets"], cfg.loss_chunk)
     else:
-        logits, aux = model(batch["inputs"], **extra, return_aux=True)
-        ce = sk.train.cross_entropy(logits, batch["targets"])
+        ce = sk.train.cross_entropy(out, batch["targets"])
     if not cfg.num_experts:
         return ce
     loss = ce + cfg.aux_loss_weight * aux[0] + cfg.z_loss_weight * aux[1]
@@ -384,7 +381,7 @@ class GPT(nnx.Module):
 
     def logits(self, x: jax.Array, w: jax.Array | None = None) -> jax.Array:
         """The output projection of the final normed activations x [batch, seq, embed]: fp32 [batch, seq, vocab].
-        `w`: the head's weight as `head_weight` gives it (the chunked loss gathers it once, outside its loop)."""
+        `w`: the head's weight as `head_weight` gives it (the chunked loss lays it out once, outside its loop)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         with sk.scope("head"):  # a strategy may give the output projection rules of its own (Strategy.scopes)
             w = self.head_weight() if w is None else w
@@ -396,49 +393,6 @@ class GPT(nnx.Module):
         """The output projection's weight [embed, vocab] in the compute dtype (the embedding's, tied)."""
         w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
         return w.astype(jnp.dtype(self.cfg.dtype))
-
-    def chunked_cross_entropy(self, x: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy of `self.logits(x)` against `targets` [batch, seq], `cfg.loss_chunk` positions at a
-        time, so only one chunk's logits ever live. Differentiated, the forward already computes each chunk's
-        gradients (the logits' cotangent is softmax - one-hot, known as soon as the chunk's loss is) and keeps
-        those, not the logits: the backward only scales them, so no chunk is recomputed and the FLOPs are the
-        unchunked program's. The head's weight and input are laid out for the matmul once, before the loop (inside
-        it, FSDP would gather the weight and reduce-scatter its gradient once per chunk, and sequence parallelism
-        would gather the input once per chunk). A chunk takes every (seq / loss_chunk)-th position, so that where
-        the sequence is split (context parallelism), each device's chunk is its own positions."""
-        b, s = targets.shape
-        c = self.cfg.loss_chunk
-        if s % c:
-            raise sk.ShardkitError(f"loss_chunk={c} must divide the sequence length {s}")
-        with sk.scope("head"):  # the compute layouts: gathered here, once
-            w = sk.constrain(self.head_weight(), (EMBED, VOCAB))
-            x = sk.constrain(x, (BATCH, SEQ, EMBED))
-        n = s // c
-        strided = lambda a: jnp.moveaxis(a.reshape(b, c, n, *a.shape[2:]), 2, 0)  # [n, b, c, ...]: chunk i
-        ce_sum = lambda z, t: optax.softmax_cross_entropy_with_integer_labels(z, t).sum()
-
-        def loss_sum(x: jax.Array, w: jax.Array, targets: jax.Array) -> jax.Array:
-            body = lambda total, xt: (total + ce_sum(self.logits(xt[0], w), xt[1]), None)
-            return jax.lax.scan(body, jnp.zeros((), _f32(x.dtype)), (strided(x), strided(targets)))[0]
-
-        def loss_sum_fwd(x: jax.Array, w: jax.Array, targets: jax.Array) -> tuple[jax.Array, tuple]:
-            def body(carry: tuple, xt: tuple) -> tuple[tuple, jax.Array]:
-                logits, pullback = jax.vjp(self.logits, xt[0], w)  # the same transposes autodiff takes
-                loss, dlogits = jax.value_and_grad(ce_sum)(logits, xt[1])
-                dxc, dwc = pullback(dlogits)
-                return (carry[0] + loss, carry[1] + dwc), dxc
-
-            zeros = (jnp.zeros((), _f32(x.dtype)), jnp.zeros_like(w))
-            (total, dw), dx = jax.lax.scan(body, zeros, (strided(x), strided(targets)))
-            return total, (jnp.moveaxis(dx, 0, 2).reshape(x.shape), dw)
-
-        def loss_sum_bwd(res: tuple, g: jax.Array) -> tuple:
-            dx, dw = res
-            return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None  # integer targets: no cotangent
-
-        fused = jax.custom_vjp(loss_sum)
-        fused.defvjp(loss_sum_fwd, loss_sum_bwd)
-        return fused(x, w, targets) / (b * s)
 
     def loss(self, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
         return lm_loss(self, batch)

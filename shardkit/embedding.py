@@ -20,10 +20,11 @@
 - `auto` (the default): `local`, else `vocab`, where it applies and the program is for a TPU (chosen from the
   mesh's devices, `rules.compile_platform`), else `gather`: CPU programs are unchanged, GPUs are not measured.
 
-`local` needs the parameter rules of the table (which columns each device holds): the train step puts them in
-the tracing context (`rules.use_rules(..., param_rules=...)`); where they are missing, or the table's vocabulary is
-split, or its columns are split over an axis that does not split the batch, `auto` takes `gather` and an explicit
-`local` is a ShardkitError saying which.
+`local` and `vocab` need the parameter rules of the table (which columns or rows each device holds): the train
+step puts them in the tracing context (`rules.use_rules(..., param_rules=...)`). Each has a plan (`local_plan`,
+`vocab_plan`) that says from the mesh's axis sizes and the rules whether it applies; `choose` resolves `auto` from
+them, for the traced step and for the cost models (`planned`) alike. Where neither applies `auto` takes `gather`,
+and an explicit kernel that does not apply is a ShardkitError saying why.
 """
 
 from __future__ import annotations
@@ -52,38 +53,25 @@ def _axes(rules: Any, name: str, sizes: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for a in (rules.get(name) or ()) if sizes.get(a, 1) > 1)
 
 
-def local_plan(context: Any, names: Sequence[str], tokens_shape: Sequence[int]) -> tuple[tuple, tuple, tuple] | str:
-    """(the axes splitting the table's columns, the batch's axes, the sequence's axes) for `local`, or why not."""
-    if context is None or getattr(context, "param_rules", None) is None:
-        return "it runs inside a train step, which knows how the table is laid out"
-    return plan_of(context.mesh.shape, context.param_rules, context.rules, names, tokens_shape[0])
-
-
-def plan_of(mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: int) -> tuple[tuple, tuple, tuple] | str:
-    """`local_plan` from a mesh's axis sizes and the parameter and compute rules (no trace needed)."""
-    mesh = dict(mesh)
-    vocab, embed = names
-    cols, batch_axes, seq = _axes(params, embed, mesh), _axes(compute, "batch", mesh), _axes(compute, "seq", mesh)
+def local_plan(mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: int) -> tuple | str:
+    """(the axes splitting the table's columns, the batch's axes, the sequence's axes) for `local`, or why not,
+    from a mesh's axis sizes, the parameter and compute rules, the table's logical names and the batch size."""
+    mesh, (vocab, embed), n = dict(mesh), names, batch
+    cols, batch, seq = _axes(params, embed, mesh), _axes(compute, "batch", mesh), _axes(compute, "seq", mesh)
     if _axes(params, vocab, mesh):
         return f"the table's {vocab!r} rows are split over {_axes(params, vocab, mesh)}"
     if not cols:
         return f"the table's {embed!r} columns are not split (nothing to gather)"
-    if not set(cols) <= set(batch_axes) or set(cols) & set(seq):
-        return f"the table's columns are split over {cols}, which do not all split the batch ({batch_axes})"
-    if batch % math.prod(mesh[a] for a in batch_axes):
-        return f"{batch} sequences do not split over the batch axes {batch_axes}"
-    return cols, batch_axes, seq
+    if not set(cols) <= set(batch) or set(cols) & set(seq):
+        return f"the table's columns are split over {cols}, which do not all split the batch ({batch})"
+    if n % math.prod(mesh[a] for a in batch):
+        return f"{n} sequences do not split over the batch axes {batch}"
+    return cols, batch, seq
 
 
-def vocab_plan(context: Any, names: Sequence[str], tokens_shape: Sequence[int]) -> tuple[tuple, tuple, tuple] | str:
-    """(the axes splitting the table's rows, the batch's axes, the sequence's axes) for `vocab`, or why not."""
-    if context is None or getattr(context, "param_rules", None) is None:
-        return "it runs inside a train step, which knows how the table is laid out"
-    return vocab_plan_of(context.mesh.shape, context.param_rules, context.rules, names, tokens_shape[0])
-
-
-def vocab_plan_of(mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: int) -> tuple | str:
-    """`vocab_plan` from a mesh's axis sizes and the parameter and compute rules (no trace needed)."""
+def vocab_plan(mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: int) -> tuple | str:
+    """(the axes splitting the table's rows, the batch's axes, the sequence's axes) for `vocab`, or why not (the
+    arguments as `local_plan`'s)."""
     mesh, (vocab, embed), n = dict(mesh), names, batch
     rows, batch, seq = _axes(params, vocab, mesh), _axes(compute, "batch", mesh), _axes(compute, "seq", mesh)
     if not rows:
@@ -95,18 +83,42 @@ def vocab_plan_of(mesh: Any, params: Any, compute: Any, names: Sequence[str], ba
     return rows, batch, seq
 
 
+#: the kernels that need a plan, in `auto`'s order of preference
+PLANS = {"local": local_plan, "vocab": vocab_plan}
+
+
+def choose(name: str, platform: str, mesh: Any, params: Any, compute: Any, names: Sequence[str], batch: int) -> str:
+    """The kernel the `embed` slot set to `name` runs: `auto` is the first of PLANS whose plan applies on a TPU,
+    else `gather`; any other name is itself. The traced step and the cost models (`planned`) both ask this."""
+    if name != "auto":
+        return name
+    for kernel, plan in PLANS.items() if platform == "tpu" else ():
+        if not isinstance(plan(mesh, params, compute, names, batch), str):
+            return kernel
+    return "gather"
+
+
+def _laid_out(context: Any) -> bool:
+    """Whether the traced train step says how its parameters are laid out (the plans need it)."""
+    return context is not None and getattr(context, "param_rules", None) is not None
+
+
 def _gather(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
     return jnp.take(constrain(table, names), tokens, axis=0).astype(dtype)
 
 
-def _planned(kernel: str, plan: tuple | str) -> tuple:
+def _planned(kernel: str, context: Any, names: Sequence[str], tokens: jax.Array) -> tuple:
+    """PLANS[kernel] for the train step being traced, or a ShardkitError saying why it does not apply."""
+    plan = "it runs inside a train step, which knows how the table is laid out"
+    if _laid_out(context):
+        plan = PLANS[kernel](context.mesh.shape, context.param_rules, context.rules, names, tokens.shape[0])
     if isinstance(plan, str):
         raise ShardkitError(f"embed kernel {kernel!r}: {plan}; use embed=gather (or auto, which falls back)")
     return plan
 
 
 def _local(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
-    cols, batch, seq = _planned("local", local_plan(context, names, tokens.shape))
+    cols, batch, seq = _planned("local", context, names, tokens)
 
     def body(columns: jax.Array, ids: jax.Array) -> jax.Array:
         group = jax.lax.all_gather(ids, cols, axis=0, tiled=True)  # the ids of every device sharing my columns
@@ -120,7 +132,7 @@ def _local(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, con
 
 
 def _vocab(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
-    rows, batch, seq = _planned("vocab", vocab_plan(context, names, tokens.shape))
+    rows, batch, seq = _planned("vocab", context, names, tokens)
 
     def body(mine: jax.Array, ids: jax.Array) -> jax.Array:
         first = jax.lax.axis_index(rows) * mine.shape[0]  # my rows are [first, first + len)
@@ -135,11 +147,11 @@ def _vocab(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, con
 
 
 def _auto(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, context: Any = None) -> jax.Array:
-    if compile_platform(getattr(context, "mesh", None)) == "tpu":
-        for plan, kernel in ((local_plan, _local), (vocab_plan, _vocab)):
-            if not isinstance(plan(context, names, tokens.shape), str):
-                return kernel(table, tokens, names, dtype, context=context)
-    return _gather(table, tokens, names, dtype, context=context)
+    kernel = "gather"
+    if _laid_out(context):
+        args = (context.mesh.shape, context.param_rules, context.rules, names, tokens.shape[0])
+        kernel = choose("auto", compile_platform(context.mesh), *args)
+    return KERNELS[kernel](table, tokens, names, dtype, context=context)
 
 
 def planned(strategy: Any, mesh: dict[str, int], batch: int, platform: str) -> str:
@@ -149,18 +161,14 @@ def planned(strategy: Any, mesh: dict[str, int], batch: int, platform: str) -> s
 
     s = get_strategy(strategy)
     name = s.kernels.get("embed", kernels.DEFAULTS["embed"])
-    if name == "gather" or (name == "auto" and platform != "tpu"):
-        return "gather"
-    args = (mesh, s.param_rules, s.compute_rules, ("vocab", "embed"), batch)
-    if name in ("auto", "local") and not isinstance(plan_of(*args), str):
-        return "local"
-    return "vocab" if name in ("auto", "vocab") and not isinstance(vocab_plan_of(*args), str) else "gather"
+    return choose(name, platform, mesh, s.param_rules, s.compute_rules, ("vocab", "embed"), batch)
 
 
+KERNELS = {"gather": _gather, "local": _local, "vocab": _vocab}
 kernels.register("embed", "gather", _gather, description="jnp.take under GSPMD (the table gathered where split)")
 kernels.register("embed", "local", _local, description="each device's own columns + one all-to-all (MaxText's)")
 kernels.register("embed", "vocab", _vocab, description="each device's own rows + one all-reduce (Megatron's)")
 kernels.register("embed", "auto", _auto, description="local, else vocab, on TPU where they apply, else gather")
 kernels.DEFAULTS["embed"] = "auto"
 
-__all__ = ["local_plan", "lookup", "planned", "vocab_plan"]
+__all__ = ["PLANS", "choose", "local_plan", "lookup", "planned", "vocab_plan"]

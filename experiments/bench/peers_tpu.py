@@ -34,6 +34,7 @@ import importlib.metadata
 import json
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,10 @@ def program_figures(text: str, memory: dict[str, int], hbm: float, mesh: Any) ->
     )
 
 
-def shardkit_program(target: str, mesh_name: str, remat: str, variant: str) -> dict[str, Any]:
+def shardkit_program(target: str, spec: str, strategy: str, remat: str, overrides: dict[str, Any] | None = None,
+                     embed: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """shardkit's train step of MODEL under `strategy` on mesh `spec` of `target`, compiled, and its figures.
+    `remat`: GPTConfig.remat; `overrides`: other GPTConfig fields; `embed`: the `embed` kernel (the strategy's)."""
     import jax.numpy as jnp
     import optax
 
@@ -95,19 +99,22 @@ def shardkit_program(target: str, mesh_name: str, remat: str, variant: str) -> d
     m = MODEL
     cfg = GPTConfig(num_layers=m["layers"], d_model=m["d_model"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
                     head_dim=m["head_dim"], mlp_dim=m["mlp_dim"], vocab_size=m["vocab"], max_seq_len=m["seq"],
-                    dtype="bfloat16", param_dtype="float32", remat=REMAT[remat][0], **VARIANTS[variant])  # fmt: skip
-    spec, strategy, _ = MESHES[mesh_name]
-    mesh = sk.make_mesh(spec, target=target)
-    step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, strategy)
+                    dtype="bfloat16", param_dtype="float32", remat=remat, **(overrides or {}))  # fmt: skip
+    mesh, s = sk.make_mesh(spec, target=target), sk.strategy(strategy)
+    s = s.replace(kernels={**s.kernels, "embed": embed}) if embed else s
+    step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, s)
     shape = ((m["batch"], m["seq"]), jnp.int32)
+    t0 = time.perf_counter()
     compiled = step.compile(step.abstract_state(), step.abstract_batch({"inputs": shape, "targets": shape}))
+    compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     memory = {k: getattr(mem, k) for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                                            "temp_size_in_bytes")}  # fmt: skip
     out = program_figures(compiled.as_text(), memory, float(cost.get("bytes accessed", 0.0)), mesh)
-    return dict(out, params=cfg.num_params(), settings=dict(mesh=spec, strategy=strategy, **dataclasses.asdict(cfg)))
+    settings = dict(mesh=spec, strategy=strategy, embed=embed or "the strategy's", **dataclasses.asdict(cfg))
+    return dict(out, params=cfg.num_params(), compile_s=compile_s, settings=settings)
 
 
 def maxtext_program(python: str, target: str, mesh_name: str, remat: str, log: Path) -> dict[str, Any]:
@@ -191,7 +198,9 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
     for mesh_name in meshes:
         for remat in remats:
             cell = f"{mesh_name}, remat {remat} (shardkit {REMAT[remat][0]}, MaxText {REMAT[remat][1]})"
-            runs = {f"shardkit {v}": shardkit_program(target, mesh_name, remat, v) for v in VARIANTS}
+            spec, strategy, _ = MESHES[mesh_name]
+            runs = {f"shardkit {v}": shardkit_program(target, spec, strategy, REMAT[remat][0], overrides)
+                    for v, overrides in VARIANTS.items()}  # fmt: skip
             key = (json.dumps(MESHES[mesh_name][2]), remat)
             if key not in maxtext:
                 log = logs / f"maxtext_{mesh_name}_{remat}.log"
