@@ -112,7 +112,7 @@ def _predicted_text(step: Any, model_cfg: Any, batch: Any) -> str:
 
     shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(batch)}
     nbytes = int(jax.numpy.dtype(jax.tree.leaves(step.abstract_state().params)[0].dtype).itemsize)
-    platform = step.mesh.devices.flat[0].platform
+    platform = sk.rules.platform_family(step.mesh)
     pred = predict(step.strategy, model_cfg, dict(step.mesh.shape), shapes, nbytes, platform)
     if pred is None:
         return "  (no cost model of this model for this strategy: nothing predicted)"

@@ -200,7 +200,7 @@ def _header(config: ml_collections.ConfigDict, run: Run, say: Callable[[str], No
     info = run.task.describe(say)
     preset = run.preset
     peak = config.peak_flops or (preset.peak_flops if preset else 0.0)
-    if not peak and jax.devices()[0].platform == "cpu":
+    if not peak and sk.rules.platform_family(mesh) == "cpu":
         peak = calibrate_peak_flops(mesh.devices.flat)
         say(
             f"peak: measured {peak * n_dev / 1e9:.1f} GFLOP/s fp32 matmul (512^3 on {n_dev} CPU devices at once) = "

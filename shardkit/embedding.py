@@ -18,7 +18,7 @@
   axes (one all-reduce of the activations). The backward scatter-adds into the device's own rows: no table-sized
   gradient, where GSPMD's gather builds the whole table's gradient on every device and all-reduces it.
 - `auto` (the default): `local`, else `vocab`, where it applies and the program is for a TPU (chosen from the
-  mesh's devices, `rules.compile_platform`), else `gather`: CPU programs are unchanged, GPUs are not measured.
+  mesh's devices, `rules.platform_family`), else `gather`: CPU programs are unchanged, GPUs are not measured.
 
 `local` and `vocab` need the parameter rules of the table (which columns or rows each device holds): the train
 step puts them in the tracing context (`rules.use_rules(..., param_rules=...)`). Each has a plan (`local_plan`,
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.rules import compile_platform, constrain
+from shardkit.rules import constrain, platform_family
 
 
 def lookup(table: jax.Array, tokens: jax.Array, names: Sequence[str], dtype: Any) -> jax.Array:
@@ -150,7 +150,7 @@ def _auto(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, cont
     kernel = "gather"
     if _laid_out(context):
         args = (context.mesh.shape, context.param_rules, context.rules, names, tokens.shape[0])
-        kernel = choose("auto", compile_platform(context.mesh), *args)
+        kernel = choose("auto", platform_family(context.mesh), *args)
     return KERNELS[kernel](table, tokens, names, dtype, context=context)
 
 

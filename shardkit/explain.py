@@ -32,7 +32,7 @@ import numpy as np
 
 from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, targets
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
-from shardkit.rules import MESH_AXES
+from shardkit.rules import MESH_AXES, platform_family
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
@@ -301,7 +301,7 @@ def explain(
     traced = traced or (step.kernel_calls(batch) if hasattr(step, "kernel_calls") else [])
     mesh = step.mesh
     sizes = dict(mesh.shape)
-    platform = mesh.devices.flat[0].platform
+    platform = platform_family(mesh)
     colls = hlo.collectives(compiled, mesh)
     ma = compiled.memory_analysis()
     get = lambda k: int(getattr(ma, k, 0) or 0)
@@ -313,7 +313,7 @@ def explain(
     shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(batch)}
     cfg = model_cfg if model_cfg is not None else getattr(getattr(step, "source_model", None), "cfg", None)
     nbytes = int(np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize)
-    backend = "cpu" if platform == "cpu" else "tpu" if platform == "tpu" else "gpu"
+    backend = platform
     notes = []
     if platform == "cpu" and step.strategy.traits().reduce_scatters:
         notes.append("XLA:CPU compiles GSPMD reduce-scatters as all-reduce + dynamic-slice ; "

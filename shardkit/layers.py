@@ -34,7 +34,7 @@ from shardkit.batch_layers import (  # noqa: F401  (sk.layers.BatchNorm, ...: la
     norm_groups,
 )
 from shardkit.errors import ShardkitError
-from shardkit.rules import compile_devices, compile_platform, current_context
+from shardkit.rules import compile_devices, current_context, family, platform_family
 
 BlockFn = Callable[..., jax.Array]
 StackKernel = Callable[..., jax.Array]
@@ -152,8 +152,8 @@ def _host_memory(platform: str) -> str | None:
     nothing is refused here: the up-front check of the strategy's table (`kernels.check` under
     `rules.compiling_for(mesh)`) is where the real devices are asked, and GPUs and TPUs have `pinned_host`
     (shardkit/offload.py)."""
-    devices = compile_devices() if compile_platform() == platform else []
-    devices = devices or [d for d in jax.devices() if d.platform == platform]
+    devices = compile_devices() if platform_family() == platform else []
+    devices = devices or [d for d in jax.devices() if family(d.platform) == platform]
     why = offload.unsupported(devices) if devices else ""  # the same check as the state offload's (offload.py)
     if not why and platform == "cpu":  # jax 0.10-0.12: tests/test_offload.py checks the compiled program for S(5)
         return ("its device memory is host memory, and XLA:CPU compiles the policy's moves to pinned_host away "
@@ -209,18 +209,12 @@ for _name, _fn, _what in [
     kernels.register("remat", _name, _fn, description=_what, check=lambda name: remat_policy(name))
 
 
-def _platform() -> str:
-    """The platform of the devices the program is compiled for (`rules.compile_platform`: the traced step's mesh,
-    an abstract mesh's device inside shard_map, a TPU target's from a CPU host); the host's only outside a step."""
-    return compile_platform()
-
-
 def remat_policy(name: str, platform: str | None = None) -> Callable[..., Any] | None:
     """The `jax.checkpoint` policy of remat kernel `name` on `platform` (default: the active mesh's), None for
     "none"; a ShardkitError listing the policies for a bad name, or naming the backend for an impossible offload."""
     if not isinstance(name, str) or name.partition(":")[0] not in kernels.available("remat"):
         raise ShardkitError(f"remat policy {name!r}: choose one of {', '.join(REMAT_CHOICES)} (docs/memory.md)")
-    return kernels.lookup("remat", name).fn(name, platform or _platform())
+    return kernels.lookup("remat", name).fn(name, platform or platform_family())
 
 
 def combine_remat(slot: str | None, model_remat: str | None = "none") -> str:

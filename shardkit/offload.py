@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 
 from shardkit.errors import ShardkitError
 from shardkit.hlo import shape_bytes
+from shardkit.rules import platform_family
 
 #: What a strategy may offload: the optimizer state (ZeRO-Offload), and the parameters.
 CHOICES = ("opt_state", "params")
@@ -75,7 +76,7 @@ def check(offload: tuple[str, ...], mesh: jax.sharding.Mesh, step_name: str) -> 
         )
     why = unsupported(list(mesh.devices.flat))
     if why:
-        platform = mesh.devices.flat[0].platform
+        platform = platform_family(mesh)
         raise ShardkitError(
             f"offload={','.join(offload)}: the {platform!r} backend cannot keep arrays in host memory: {why}. "
             "Set offload to '' (keep the state on the devices), or shard it further (fsdp, zero1)"

@@ -218,7 +218,7 @@ def current_context() -> ShardingContext | None:
 # The platform a program is compiled for. A mesh may live on devices this host does not run: `sk.make_mesh(spec,
 # target="v5e-8")` compiles a TPU program on a CPU host, so the host's backend ("cpu") says nothing about the
 # program. Every platform decision (the ring's chunk, the grouped matmul, cuDNN, host offload of activations) asks
-# `compile_platform` instead, which reads the devices of the mesh being compiled for.
+# `platform_family` instead, which reads the devices of the mesh being compiled for.
 
 _COMPILING: contextvars.ContextVar[Any] = contextvars.ContextVar("shardkit_compiling_for", default=None)
 
@@ -256,25 +256,35 @@ def _program_meshes(mesh: Any = None) -> list[Any]:
     return [*found, jax.sharding.get_abstract_mesh()]
 
 
-def compile_platform(mesh: Any = None) -> str:
-    """The platform ("cpu", "gpu" (or "cuda" / "rocm" from a plugin), "tpu") of the devices this program is being
-    compiled for: `mesh`'s when given (a concrete mesh's devices, or an abstract mesh's abstract device), else the
-    traced step's mesh (`use_rules`), else `compiling_for`'s, else the abstract mesh of an enclosing
-    `shard_map`. With no mesh at all (eager use, a plain `jax.jit` outside any step) the program runs on JAX's
-    first device, whose platform it is."""
+#: A device platform's family: what every platform decision compares against. JAX's devices say "gpu" for NVIDIA
+#: and AMD alike; a PJRT plugin may say "cuda" or "rocm"; anything else is its own family.
+FAMILIES: dict[str, str] = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def family(platform: str) -> str:
+    """The family ("cpu", "gpu", "tpu") of a device platform name ("cuda" and "rocm" are "gpu")."""
+    return FAMILIES.get(platform, platform)
+
+
+def platform_family(mesh: Any = None) -> str:
+    """The platform family ("cpu", "gpu", "tpu") of the devices this program is being compiled for: `mesh`'s when
+    given (a concrete mesh's devices, or an abstract mesh's abstract device), else the traced step's mesh
+    (`use_rules`), else `compiling_for`'s, else the abstract mesh of an enclosing `shard_map`. With no mesh at all
+    (eager use, a plain `jax.jit` outside any step) the program runs on JAX's first device, whose family it is.
+    Every platform decision in shardkit asks this, never `jax.default_backend()`."""
     for m in _program_meshes(mesh):
         if (platform := _platform_of(m)) is not None:
-            return platform
-    return jax.devices()[0].platform  # no mesh: where an unsharded computation is placed
+            return family(platform)
+    return family(jax.devices()[0].platform)  # no mesh: where an unsharded computation is placed
 
 
 def compile_devices(mesh: Any = None) -> list[Any]:
-    """The concrete devices of the platform `compile_platform(mesh)` names, from the first concrete mesh in the same
+    """The concrete devices of the family `platform_family(mesh)` names, from the first concrete mesh in the same
     search; [] when only an abstract mesh is known (inside a `shard_map` whose step set no concrete mesh: hetero,
     sdp) or no mesh at all."""
-    platform = compile_platform(mesh)
+    platform = platform_family(mesh)
     for m in _program_meshes(mesh):
-        if _is_concrete(m) and _platform_of(m) == platform:
+        if _is_concrete(m) and family(_platform_of(m) or "") == platform:
             return list(m.devices.flat)
     return []
 

@@ -12,10 +12,10 @@ from shardkit.attention import chunking
 
 def test_the_platform_is_read_from_a_concrete_or_an_abstract_mesh():
     """Inside a pipeline stage the kernels see only the abstract mesh (whose `.devices` raises)."""
-    from shardkit.attention.ring import mesh_platform
+    from shardkit.rules import platform_family
 
     mesh = sk.make_mesh({"seq": 8})
-    assert mesh_platform(mesh) == mesh_platform(mesh.abstract_mesh) == jax.default_backend() == "cpu"
+    assert platform_family(mesh) == platform_family(mesh.abstract_mesh) == jax.default_backend() == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Every platform decision is made for the devices a program is compiled for (`sk.rules.compile_platform`), never
+"""Every platform decision is made for the devices a program is compiled for (`sk.rules.platform_family`), never
 for this host's backend: the same train step compiled for this session's 8 CPU devices and for a v5e-8 TPU target
 (compile-only devices, libtpu's compiler, no TPU) gets each platform's own choice.
 
@@ -31,7 +31,7 @@ import shardkit as sk
 from models.gpt import GPT, GPTConfig
 from shardkit.attention import ring
 from shardkit.parallel import moe_ragged
-from shardkit.rules import compile_devices, compile_platform, compiling_for, use_rules
+from shardkit.rules import compile_devices, compiling_for, platform_family, use_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "v5e-8"
@@ -94,18 +94,18 @@ def test_cudnn_is_refused_naming_the_mesh_platform(platform):
 
 def test_shard_map_bodies_abstract_meshes_and_up_front_checks_get_the_mesh_platform(monkeypatch):
     cpu, tpu = sk.make_mesh("seq=8"), sk.make_mesh("seq=8", target=TARGET)
-    assert jax.default_backend() == "cpu" and compile_platform() == "cpu"  # no mesh anywhere: the host's
-    assert [compile_platform(m) for m in (cpu, cpu.abstract_mesh, tpu, tpu.abstract_mesh)] == ["cpu"] * 2 + ["tpu"] * 2
-    assert ring.mesh_platform(tpu.abstract_mesh) == "tpu"
+    assert jax.default_backend() == "cpu" and platform_family() == "cpu"  # no mesh anywhere: the host's
+    assert [platform_family(m) for m in (cpu, cpu.abstract_mesh, tpu, tpu.abstract_mesh)] == ["cpu"] * 2 + ["tpu"] * 2
+    assert platform_family(tpu.abstract_mesh) == "tpu"
     with use_rules(tpu, {}), use_rules(tpu.abstract_mesh, {}):  # a pipeline stage's context inside the step's
-        assert compile_platform() == "tpu" and compile_devices() == list(tpu.devices.flat)
+        assert platform_family() == "tpu" and compile_devices() == list(tpu.devices.flat)
         assert sk.layers.remat_policy("offload:attn_out") is not None  # TPU devices have pinned_host
     with use_rules(tpu.abstract_mesh, {}):  # a hetero / sdp worker's context: no concrete mesh known
-        assert compile_platform() == "tpu" and compile_devices() == []
+        assert platform_family() == "tpu" and compile_devices() == []
         assert sk.layers.remat_policy("offload:attn_out") is not None
 
     seen = []
-    body = lambda x: seen.append(compile_platform()) or x
+    body = lambda x: seen.append(platform_family()) or x
     sds = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(tpu, P("seq")))
     jax.jit(jax.shard_map(body, mesh=tpu, in_specs=P("seq"), out_specs=P("seq"))).lower(sds)
     assert seen == ["tpu"]
@@ -123,7 +123,7 @@ def test_shard_map_bodies_abstract_meshes_and_up_front_checks_get_the_mesh_platf
         sk.kernels.check({"remat": "offload:attn_out"})
     with compiling_for(tpu):
         sk.kernels.check({"remat": "offload:attn_out"})
-        assert compile_platform() == "tpu"
+        assert platform_family() == "tpu"
 
 
 def test_remat_offload_is_checked_against_the_target_devices_and_offloads_there():
@@ -166,4 +166,22 @@ def test_no_platform_decision_reads_the_host_backend():
         for p in sorted((ROOT / "shardkit").rglob("*.py"))
         for line, fn in _default_backend_calls(p)
     }
-    assert calls == set(), sorted(calls)  # every decision reads devices: rules.compile_platform's meshes
+    assert calls == set(), sorted(calls)  # every decision reads devices: rules.platform_family's meshes
+
+
+def test_the_platform_family_is_read_in_one_place():
+    """`rules.platform_family` is the one reader of a mesh's device platform: "cuda" / "rocm" (plugins' names) are
+    "gpu", and no other module (but targets.py, which asks a plugin for devices by its name) reads `.platform` off
+    a mesh's devices or spells the GPU platforms itself."""
+    from shardkit.rules import family
+
+    assert [family(p) for p in ("cpu", "gpu", "cuda", "rocm", "tpu")] == ["cpu", "gpu", "gpu", "gpu", "tpu"]
+    spelled = re.compile(r"devices\.flat\[0\]\.platform|[\"']cuda[\"']|[\"']rocm[\"']")
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "shardkit").rglob("*.py"))
+        if p.name not in ("rules.py", "targets.py")  # targets.py names the PJRT plugin it builds devices with
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if spelled.search(line)
+    ]
+    assert found == [], found

@@ -17,7 +17,7 @@ Every attention kernel of this package ends in the same work: a block of queries
              CPU devices: Pallas's interpret mode.
     cudnn    cuDNN's fused attention through `jax.nn.dot_product_attention` (NVIDIA GPUs, bf16/fp16, no segment
              ids): dense and Ulysses' local attention only.
-    auto     (the default) chosen from the mesh's devices (`rules.compile_platform`): splash on TPU where the block
+    auto     (the default) chosen from the mesh's devices (`rules.platform_family`): splash on TPU where the block
              lengths are multiples of 128; on GPU pallas_gpu for the ring (where it can run) and cudnn for local
              attention (bf16, no segment ids); else xla.
 
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 from shardkit import kernels
 from shardkit.attention.checks import CHECK_VMA, match_kv_heads, spec_entry
 from shardkit.errors import ShardkitError
-from shardkit.rules import compile_platform
+from shardkit.rules import platform_family
 
 BLOCK_KERNELS = ("auto", "xla", "splash", "flash", "pallas_gpu", "cudnn")
 #: the kernels that return a block's log-sum-exp (a ring can merge their blocks)
@@ -50,7 +50,6 @@ TPU_KERNELS, GPU_KERNELS = ("splash", "flash"), ("pallas_gpu",)
 LANES = 128
 #: the largest splash block (MaxText's `sa_block_q` = `sa_block_kv` = 512)
 SPLASH_BLOCK = 512
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 CUDNN_DTYPES = ("bfloat16", "float16")
 
 
@@ -88,7 +87,7 @@ def resolve(
     name = name or "auto"
     if name not in BLOCK_KERNELS:
         raise ShardkitError(f"{what}: attention_block={name!r} is not one of {', '.join(BLOCK_KERNELS)}")
-    gpu = platform in GPU_PLATFORMS
+    gpu = platform == "gpu"
     if inside_shard_map():
         if name in ("auto", "xla"):
             return "xla"
@@ -188,7 +187,7 @@ def named() -> str:
 def interpreting(platform: str, kernel: str = "splash") -> bool:
     """Whether a Pallas kernel runs in Pallas's interpreter: it is compiled for devices it was not written for (a
     Mosaic kernel off TPU, a Triton kernel off GPU)."""
-    return platform not in GPU_PLATFORMS if kernel in GPU_KERNELS else platform != "tpu"
+    return platform != "gpu" if kernel in GPU_KERNELS else platform != "tpu"
 
 
 def block_size(length: int) -> int:
@@ -404,7 +403,7 @@ def sharded_local(name: str, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any,
     k, v = match_kv_heads(k, v, q.shape[2], context)
     batch, heads = spec_entry(context.rules.get("batch")), spec_entry(context.rules.get("heads"))
     spec, seg_spec = PartitionSpec(batch, None, heads), PartitionSpec(batch, None)
-    body = functools.partial(local_attention, name, causal=causal, platform=compile_platform(context.mesh))
+    body = functools.partial(local_attention, name, causal=causal, platform=platform_family(context.mesh))
     fn = lambda q, k, v, s: body(q, k, v, s)
     return jax.shard_map(fn, mesh=context.mesh, in_specs=(spec, spec, spec, None if seg is None else seg_spec),
                          out_specs=spec, check_vma=CHECK_VMA)(q, k, v, seg)  # fmt: skip

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from shardkit.errors import ShardkitError
 
-#: the chunk preferred per platform of the mesh's devices (`jax.Device.platform`, as `rules.compile_platform` reads
+#: the chunk preferred per platform of the mesh's devices (`jax.Device.platform`, as `rules.platform_family` reads
 #: it: a TPU target compiled from a CPU host gets TPU's) when the caller names none
-PREFERRED_CHUNK: dict[str, int] = {"cpu": 128, "gpu": 512, "cuda": 512, "rocm": 512, "tpu": 512}
+PREFERRED_CHUNK: dict[str, int] = {"cpu": 128, "gpu": 512, "tpu": 512}
 #: any other platform (an accelerator plugin)
 ACCELERATOR_CHUNK = 512
 

@@ -12,7 +12,7 @@ from shardkit import kernels
 from shardkit.attention import blocks
 from shardkit.attention.blocks import CUDNN_DTYPES
 from shardkit.errors import ShardkitError
-from shardkit.rules import compile_platform
+from shardkit.rules import platform_family
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -69,7 +69,7 @@ def _dense_from_context(q, k, v, *, causal: bool, segment_ids: Any, context: Any
     if named == "xla" or (named == "auto" and blocks.dense_keeps_xla(context.rules, dict(context.mesh.shape))):
         return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     what = "dense attention"
-    kernel = blocks.resolve(named, compile_platform(context.mesh), lengths=(q.shape[1],), ring=False, dtype=q.dtype,
+    kernel = blocks.resolve(named, platform_family(context.mesh), lengths=(q.shape[1],), ring=False, dtype=q.dtype,
                             segment_ids=segment_ids is not None, what=what, devices=context.mesh.size)  # fmt: skip
     if kernel == "xla":
         return dense_attention(q, k, v, causal=causal, segment_ids=segment_ids)
@@ -104,8 +104,8 @@ def cudnn_attention(
             "attention=cudnn does not take segment_ids (packed documents): cuDNN's fused kernel has no segment "
             "mask here; use attention=dense, or train on unpacked sequences"
         )
-    platform = compile_platform()  # the mesh's devices: a TPU target compiled from a GPU host gets no cuDNN
-    if platform not in ("gpu", "cuda"):
+    platform = platform_family()  # the mesh's devices: a TPU target compiled from a GPU host gets no cuDNN
+    if platform != "gpu":
         raise ShardkitError(
             f"attention=cudnn runs on NVIDIA GPUs only; this program is compiled for the mesh's {platform!r} "
             "devices: use attention=dense (or a ring kernel) there"

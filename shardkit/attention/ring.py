@@ -40,7 +40,7 @@ from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
 from shardkit.attention.ring_fused import fused_ring_local
 from shardkit.attention.ring_loop import RingConfig, lse_vjp, prepare, ring_loop
-from shardkit.rules import ShardingContext, compile_platform
+from shardkit.rules import ShardingContext, platform_family
 
 #: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on
 #: accelerators). Kept under its old name (it was 512 before the per-backend choice) as the kernels' default.
@@ -272,13 +272,6 @@ def _ring_bwd(cfg: RingConfig, res: tuple, do: jax.Array) -> tuple:
 scan_local = lse_vjp(_forward, _ring_bwd)
 
 
-def mesh_platform(mesh: Mesh) -> str:
-    """The platform of the mesh's devices ("cpu", "gpu", "tpu", ...): what the default chunk is chosen for. The mesh
-    a kernel gets may be abstract (a pipeline stage's `shard_map`) or on compile-only TPU devices from a CPU host:
-    `rules.compile_platform` reads its abstract device, else the traced step's mesh, never the host's backend."""
-    return compile_platform(mesh)
-
-
 def ring_block(block: str | None, platform: str, c: int, layout: str, n: int, dtype: Any, segments: bool,
                what: str, devices: int = 1) -> str:  # fmt: skip
     """The block kernel a ring of `n` ranks holding `c` tokens each runs (`blocks.resolve`; a ring of one is local
@@ -314,7 +307,7 @@ def ring_attention(
     n = check_axis(mesh, axis, "ring_attention")
     check_layout(layout, q.shape[1], n)
     c = q.shape[1] // n
-    platform = mesh_platform(mesh)
+    platform = platform_family(mesh)
     cq = resolve_chunk(chunk, c, layout, n, platform, "ring_attention")
     kernel = ring_block(block, platform, c, layout, n, q.dtype, segment_ids is not None, "ring_attention", mesh.size)
     cfg = RingConfig(axis, n, layout, causal, cq, cq, kernel, platform)

@@ -24,9 +24,9 @@ from shardkit.attention import blocks
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
 from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.dense import register_attention
-from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform, ring_block, ring_local
+from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, ring_block, ring_local
 from shardkit.errors import ShardkitError
-from shardkit.rules import ShardingContext
+from shardkit.rules import ShardingContext, platform_family
 
 
 def seq_to_heads(x: jax.Array, axis: str) -> jax.Array:
@@ -103,7 +103,7 @@ def ulysses_attention(
             f"ulysses_attention: sequence length {q.shape[1]} is not divisible by the Ulysses degree {p} "
             f"(mesh axis {axis!r}); pad it to a multiple of {p}"
         )
-    platform = mesh_platform(mesh)
+    platform = platform_family(mesh)
     cq = resolve_chunk(chunk, q.shape[1], "contiguous", 1, platform, "ulysses_attention")
     kernel = ring_block(block, platform, q.shape[1], "contiguous", 1, q.dtype, segment_ids is not None,
                         "ulysses_attention", mesh.size)  # fmt: skip

@@ -25,10 +25,10 @@ from shardkit.attention.checks import check_axis, check_qkv, context_axes, match
 from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.dense import register_attention
 from shardkit.attention.layouts import LAYOUTS, check_layout
-from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, mesh_platform, ring_block
+from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, ring_block
 from shardkit.attention.ulysses import all_to_all_attention, check_heads
 from shardkit.errors import ShardkitError
-from shardkit.rules import ShardingContext
+from shardkit.rules import ShardingContext, platform_family
 
 
 def usp_attention(
@@ -64,7 +64,7 @@ def usp_attention(
             f"{u} devices; pad it to a multiple of {math.lcm(r * u, 2 * r if layout == 'zigzag' else r)}"
         )
     c = q.shape[1] // r
-    platform = mesh_platform(mesh)
+    platform = platform_family(mesh)
     cq = resolve_chunk(chunk, c, layout, r, platform, "usp_attention")
     kernel = ring_block(block, platform, c, layout, r, q.dtype, segment_ids is not None, "usp_attention", mesh.size)
     ring = RingConfig(ring_axis, r, layout, causal, cq, cq, kernel, platform)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.rules import compile_platform
+from shardkit.rules import platform_family
 
 #: (expert params with a leading E dim, tokens [N, M] sorted by expert, group sizes int32[E]) -> [N, M]; rows past
 #: sum(sizes) are padding (their output is not read)
@@ -87,7 +87,7 @@ def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int
     are 2 T tile K F <= 2 (N + E (tile - 1)) K F: the N rows' plus at most E (tile - 1) rows of padding (within
     10% when N >= 10 E (tile - 1)); XLA's cost analysis adds about one per gathered element, T K F for the
     weights (1 / (2 tile) of the matmul). Default: "tiled" when the mesh's devices are CPUs (or `tile` is given),
-    else "ragged_dot" (`rules.compile_platform`: a TPU target compiled from a CPU host gets ragged_dot).
+    else "ragged_dot" (`rules.platform_family`: a TPU target compiled from a CPU host gets ragged_dot).
 
     The trade: the tiles' weights are gathered into [T, K, F], about (N / tile + E) K F elements, F / tile x the
     activations' N K (and the weight gradient forms as many per-tile products before their scatter-add into [E, K,
@@ -102,7 +102,7 @@ def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int
     backward, and sums the per-tile weight gradients by expert (a sorted segment sum); the gradient of x flows
     through the row gathers (scatter-adds)."""
     if method is None:
-        method = "tiled" if tile is not None or compile_platform() == "cpu" else "ragged_dot"  # the mesh's devices
+        method = "tiled" if tile is not None or platform_family() == "cpu" else "ragged_dot"  # the mesh's devices
     if method == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
     if method != "tiled":
