@@ -67,12 +67,12 @@ def test_a_block_does_not_need_the_cached_whole_sample():
     """A block computed in a fresh process state (caches cleared) still equals the slice of the whole."""
     spec = vol.CosmoSpec(size=20)
     block = (slice(3, 9), slice(0, 20), slice(11, 12))
-    vol._cosmo_sample.cache_clear()
-    vol._seg_sample.cache_clear()
+    vol.cosmo._cosmo_sample.cache_clear()
+    vol.seg._seg_sample.cache_clear()
     first = vol.cosmo_block(5, 2, spec, block)
     first_seg = vol.seg_block(5, 2, vol.SegSpec(size=20), block)
-    vol._cosmo_sample.cache_clear()
-    vol._seg_sample.cache_clear()
+    vol.cosmo._cosmo_sample.cache_clear()
+    vol.seg._seg_sample.cache_clear()
     np.testing.assert_array_equal(first, vol.cosmo_block(5, 2, spec)[block])
     whole_seg = vol.seg_block(5, 2, vol.SegSpec(size=20))
     np.testing.assert_array_equal(first_seg[0], whole_seg[0][block])
@@ -82,14 +82,14 @@ def test_a_block_does_not_need_the_cached_whole_sample():
 def test_samples_are_deterministic_and_distinct():
     spec, seg = vol.CosmoSpec(size=16), vol.SegSpec(size=16)
     a = vol.cosmo_block(1, 4, spec)
-    vol._cosmo_sample.cache_clear()
+    vol.cosmo._cosmo_sample.cache_clear()
     np.testing.assert_array_equal(a, vol.cosmo_block(1, 4, spec))
     np.testing.assert_array_equal(vol.cosmo_params(1, 4, spec)[0], vol.cosmo_params(1, 4, spec)[0])
     assert not np.array_equal(a, vol.cosmo_block(1, 5, spec))  # another index
     assert not np.array_equal(a, vol.cosmo_block(2, 4, spec))  # another seed
     assert not np.array_equal(vol.cosmo_params(1, 4, spec)[0], vol.cosmo_params(1, 5, spec)[0])
     image, label = vol.seg_block(1, 4, seg)
-    vol._seg_sample.cache_clear()
+    vol.seg._seg_sample.cache_clear()
     np.testing.assert_array_equal(image, vol.seg_block(1, 4, seg)[0])
     np.testing.assert_array_equal(label, vol.seg_block(1, 4, seg)[1])
     assert not np.array_equal(label, vol.seg_block(1, 5, seg)[1])
@@ -142,7 +142,7 @@ def _roughness(field: np.ndarray) -> float:
 def _expected_roughness(spec: vol.CosmoSpec) -> float:
     """The same under the spectrum: a wave k has roughness mean_a 2(1 - cos(2 pi k_a / S)), weighted by P(|k|)."""
     (slope,), (k_cut,) = {spec.slope[0]}, {spec.k_cut[0]}
-    k, norm = vol._lattice(spec.size)
+    k, norm = vol.waves._lattice(spec.size)
     weight = norm**slope * np.exp(-((norm / k_cut) ** 2))
     per_wave = (2 * (1 - np.cos(2 * np.pi * k / spec.size))).mean(axis=1)
     return float((weight * per_wave).sum() / weight.sum())
@@ -190,7 +190,7 @@ def test_seg_classes_intensities_and_labels():
 def test_seg_label_is_the_last_object_covering_a_voxel():
     spec = vol.SegSpec(size=16, objects=8)
     _, label = vol.seg_block(4, 1, spec)
-    sample = vol._seg_sample(4, 1, spec)
+    sample = vol.seg._seg_sample(4, 1, spec)
     rng = np.random.default_rng(0)
     for x in rng.integers(0, 16, (300, 3)):
         want = 0

@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from experiments.data.assemble import global_array
+
 SPLIT_SEED = 0
 DEFAULT_VAL_SIZE = 320
 DATASETS = ("digits",)
@@ -112,15 +114,11 @@ def batch_spec(batch_size: int, image_shape: tuple[int, ...], shardings: Any = N
 
 def _to_global(arrays: Batch, shardings: dict[str, jax.sharding.Sharding]) -> dict[str, jax.Array]:
     """Global arrays from host arrays every process holds whole: each addressable device gets its block."""
-    out = {}
-    for key, value in arrays.items():
-        sharding = shardings[key]
-        blocks = [
-            jax.device_put(value[index], d)
-            for d, index in sharding.addressable_devices_indices_map(value.shape).items()
-        ]
-        out[key] = jax.make_array_from_single_device_arrays(value.shape, sharding, blocks)
-    return out
+    return {
+        key: global_array(value.shape, shardings[key], lambda spans, v=value: v[tuple(slice(*s) for s in spans)],
+                          value.dtype)
+        for key, value in arrays.items()
+    }  # fmt: skip
 
 
 def host_batch(ds: ImageDataset, step: int, batch_size: int, seed: int = 0) -> Batch:
