@@ -70,9 +70,9 @@ def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[s
             f"target {tgt.name} has {tgt.num_devices}: give a mesh of {tgt.num_devices} (one degree may be -1), or a "
             "larger target"
         )
-    strategy = runtime.strategy_of(config, math.prod(built.values()))
+    strategy = runtime.strategy_of(config, math.prod(built.values()))  # --config.strategy looked up once
     mesh = sk.make_mesh(built, target=tgt) if tgt else sk.make_mesh(built, jax.devices()[: math.prod(built.values())])
-    strategy.bind(mesh)
+    strategy = strategy.bind(mesh)  # and bound once: make_train_step takes the BoundStrategy as it is
     tx, _ = make_optimizer(config.optimizer, max(config.steps, config.optimizer.warmup_steps + 1))
     if lm:
         model_cfg = tasks.model_config(config, text.VOCAB_SIZE)

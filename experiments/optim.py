@@ -22,7 +22,7 @@ def schedule_length(opt: ml_collections.ConfigDict, steps: int) -> tuple[int, in
 def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup + cosine decay to lr * min_lr_ratio, global-norm clipping, no decay on norms.
 
-    The clipping is `sk.train.clip_by_global_norm` (optax's, but a parameter stored once per holder under SDP
+    The clipping is `sk.clip_by_global_norm` (optax's, but a parameter stored once per holder under SDP
     counts once).
 
     optimizer.warmup_steps < 0 (the default) = min(30, schedule length // 10), the schedule length being
@@ -54,4 +54,4 @@ def make_optimizer(opt: ml_collections.ConfigDict, steps: int) -> tuple[optax.Gr
         lambda path, _: "norm" not in jax.tree_util.keystr(path), params
     )
     adamw = optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decay_mask)
-    return (optax.chain(sk.train.clip_by_global_norm(opt.grad_clip), adamw) if opt.grad_clip else adamw), schedule
+    return (optax.chain(sk.clip_by_global_norm(opt.grad_clip), adamw) if opt.grad_clip else adamw), schedule

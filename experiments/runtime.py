@@ -29,15 +29,16 @@ def resolve_preset(name: str) -> sk.HardwarePreset | None:
     return min(found, key=lambda p: p.num_devices != n, default=None)
 
 
-def target_axes(config: Any, num_devices: int) -> dict[str, int]:
+def target_axes(config: Any, num_devices: int, strategy: sk.Strategy | None = None) -> dict[str, int]:
     """The run's mesh from `config.mesh`: "auto" (the default) = a mesh the strategy fits on `num_devices`
-    (`Strategy.default_mesh`), "axis=n,..." (one n may be -1), a preset name, or "" = the hardware preset's mesh.
-    An explicit mesh is taken as given: if it does not fit the strategy, binding it raises the ShardkitError."""
+    (`Strategy.default_mesh` of the run's `strategy`, from `strategy_of`), "axis=n,..." (one n may be -1), a preset
+    name, or "" = the hardware preset's mesh. An explicit mesh is taken as given: if it does not fit the strategy,
+    binding it raises the ShardkitError."""
     from shardkit.mesh import parse_spec, resolve_axes
 
     spec = config.mesh.strip()
     if spec == "auto":
-        return sk.strategy(config.strategy).default_mesh(num_devices)
+        return (strategy or sk.strategy(config.strategy)).default_mesh(num_devices)
     if not spec:
         preset = resolve_preset(config.hardware)
         if preset is None:
@@ -246,18 +247,20 @@ def check_choices(config: Any) -> None:
 
 
 def strategy_of(config: Any, devices: int) -> sk.Strategy:
-    """The run's strategy: its name, the config sections of its step and kernels (`sk.configure`), the
-    `kernels` overrides and `strict_names`, checked."""
+    """The run's strategy: `--config.strategy` looked up once, here, with the config sections of its step and
+    kernels (`sk.configure`), the `kernels` overrides and `strict_names`, checked. The caller binds it to the mesh
+    once (`Strategy.bind`) and hands the BoundStrategy down."""
+    named = sk.strategy(config.strategy)  # the one look-up of the name below the command line
     sections = config.to_dict()
-    note = stage_layers(config, sections, devices)
-    strategy = sk.configure(config.strategy, sections, devices=devices, global_batch=config.batch_size,
+    note = stage_layers(config, named, sections, devices)
+    strategy = sk.configure(named, sections, devices=devices, global_batch=config.batch_size,
                             preset=mesh_preset(config))  # fmt: skip
     layers = strategy.kernels.get("layers", "")
     if "@" in layers:  # the cut the run uses: checked against the mesh and the model now, printed with the strategy
         from shardkit.parallel import pipeline
 
         if "model" in config and "num_layers" in config.model:
-            stages = target_axes(config, devices).get("stage", 1)
+            stages = target_axes(config, devices, named).get("stage", 1)
             pipeline.stage_cut(layers, stages, config.model.num_layers)
         strategy = strategy.replace(description=f"{strategy.description}; {note}")
     strategy = with_kernels(strategy, config.get("kernels", ""))
@@ -267,7 +270,7 @@ def strategy_of(config: Any, devices: int) -> sk.Strategy:
     return strategy.replace(strict_names=True) if config.get("strict_names", False) else strategy
 
 
-def stage_layers(config: Any, sections: dict[str, Any], devices: int) -> str:
+def stage_layers(config: Any, strategy: sk.Strategy, sections: dict[str, Any], devices: int) -> str:
     """Resolves `pipeline.stage_layers="hetero"` in `sections` to layer counts: the min-max cut of the model's
     layers over the pipeline stages, each as fast as its slowest device in the hardware preset's [[groups]] (the
     mesh preset's, else `hardware`'s; `sk.hetero.hetero_stage_plan`). Returns the line describing the cut."""
@@ -276,7 +279,7 @@ def stage_layers(config: Any, sections: dict[str, Any], devices: int) -> str:
         return ""
     if cut != "hetero":
         return f"stage layers {cut} (given; pipeline.stage_layers)"
-    if not sk.strategy(config.strategy).kernels.get("layers", "").startswith("pipeline"):
+    if not strategy.kernels.get("layers", "").startswith("pipeline"):
         return ""  # this run has no pipeline to cut
     preset = mesh_preset(config) or resolve_preset(config.hardware)
     if preset is None or not preset.groups:
@@ -285,7 +288,7 @@ def stage_layers(config: Any, sections: dict[str, Any], devices: int) -> str:
             f"{getattr(preset, 'name', config.hardware)!r} has no [[groups]]: give --config.hardware=hetero_v100_p100 "
             "(or another meshes/hetero_*.toml), or the counts, e.g. --config.pipeline.stage_layers=3,5"
         )
-    axes = target_axes(config, devices)
+    axes = target_axes(config, devices, strategy)
     plan = sk.hetero.hetero_stage_plan(preset.device_speeds(), axes, config.model.num_layers)
     speeds = sk.hetero.stage_speeds(preset.device_speeds(), axes)
     sections["pipeline"]["stage_layers"] = ",".join(map(str, plan.counts))

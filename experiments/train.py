@@ -112,14 +112,14 @@ def build(config: ml_collections.ConfigDict) -> Run:
     tgt = sk.target(config.target) if config.get("target") else None  # compile-only devices (docs/targets.md)
     n_dev = tgt.num_devices if tgt else jax.device_count()
     # the config sections named after the strategy's step (`sdp`, `hetero`) and kernels (`pipeline`) configure them
-    strategy = runtime.strategy_of(config, n_dev)
-    mesh = sk.make_mesh(runtime.target_axes(config, n_dev), target=tgt)  # "auto": one the strategy fits
+    strategy = runtime.strategy_of(config, n_dev)  # --config.strategy looked up once
+    mesh = sk.make_mesh(runtime.target_axes(config, n_dev, strategy), target=tgt)  # "auto": one the strategy fits
     preset = tgt.preset(dict(mesh.shape)) if tgt else resolve_preset(config.hardware)
-    strategy.bind(mesh)
+    bound = strategy.bind(mesh)  # and bound once: a mesh it does not fit is refused here
     task = build_task(config)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     abstract = sk.abstract_model(task.make_model, config.seed)
-    step = sk.make_train_step(abstract, tx, mesh, strategy, loss_fn=task.loss_fn, batch_axes=task.batch_axes,
+    step = sk.make_train_step(abstract, tx, mesh, bound, loss_fn=task.loss_fn, batch_axes=task.batch_axes,
                               microbatches=config.microbatches)  # fmt: skip
     step.check_batch(task.batch_spec())
     if isinstance(task, ImageTask | VolumeTask):  # the validation batches too (evaluate checks them like training)

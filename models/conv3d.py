@@ -3,7 +3,7 @@
 A volume activation is `[batch, depth, height, width, channels]` (`VOLUME`). Convolutions are Flax's
 `nnx.Conv` with its `conv_general_dilated` set to the `conv` kernel slot (`sk.layers.conv_fn`) and pooling goes
 through the `pool` slot (`sk.layers.pool`), so a strategy can run them as GSPMD-partitioned ops ("xla", the
-default) or as explicit halo-exchange kernels ("halo", shardkit/parallel/spatial.py) without a change here.
+default) or as explicit halo-exchange kernels ("halo", shardkit/parallel/spatial/exchange.py) without a change here.
 
 A block whose spatial dimensions should stay whole (deep in a network, where the volume has shrunk below the
 spatial split; LBANN's CosmoFlow stops splitting there) names them None: `names(split=False)` =

@@ -62,7 +62,7 @@ class GPTConfig:
     #: exist at once and nothing is recomputed; 0 = whole. The same loss, summed in another order.
     #: docs/performance.md, "The TPU program against MaxText's"
     loss_chunk: int = 0
-    # mixture of experts (shardkit/parallel/moe.py): every block's MLP becomes `num_experts` SwiGLU experts
+    # mixture of experts (shardkit/parallel/moe/routing.py): every block's MLP becomes `num_experts` SwiGLU experts
     num_experts: int = 0  # 0 = dense
     top_k: int = 2  # 1 = Switch, 2 = GShard (second choices queue behind first choices)
     capacity_factor: float = 1.25  # tokens per expert per sequence = ceil(top_k x seq x factor / experts)
@@ -326,7 +326,7 @@ def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Ar
     if cfg.loss_chunk:  # the head and the loss chunk by chunk: no [batch, seq, vocab] buffer (GPTConfig.loss_chunk)
         ce = chunked_cross_entropy(model.logits, model.head_weight(), out, batch["targets"], cfg.loss_chunk)
     else:
-        ce = sk.train.cross_entropy(out, batch["targets"])
+        ce = sk.cross_entropy(out, batch["targets"])
     if not cfg.num_experts:
         return ce
     loss = ce + cfg.aux_loss_weight * aux[0] + cfg.z_loss_weight * aux[1]

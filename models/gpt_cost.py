@@ -18,8 +18,8 @@ al. 1910.02054) and activations per layer adapted from Korthikanti et al. 2205.0
 (`activation_bytes`).
 
 The tp3d GSPMD step (`strategy_comms("tp3d", ..., gspmd=True)`) = the projections (AxoNN's model,
-`shardkit.costmodel.tp3d_layer_comms`) + `gpt_extra_comms`, derived from models/gpt.py, shardkit/train.py and
-the `tp3d` rules (shardkit/parallel/tensor3d.py): parameters embed -> (col, depth), heads / kv_heads / mlp /
+`shardkit.costmodel.tp3d_layer_comms`) + `gpt_extra_comms`, derived from models/gpt.py, the GSPMD
+step and the `tp3d` rules (shardkit/parallel/tensor3d.py): parameters embed -> (col, depth), heads / kv_heads / mlp /
 vocab -> row; compute batch -> (data, depth), embed -> col, heads / mlp / vocab -> row. Each term below was
 matched, by the op_name metadata of `compiled.as_text()`, to the collective XLA emits for it
 (tests/test_costmodel.py, all 20 factorisations of 8 CPU devices). Notation: r = tokens / (G_d·G_z) local token
@@ -138,7 +138,7 @@ def tpu_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
 def pp_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
     """Returns "pp:<m>" (m microbatches) for a GPipe pipeline over `stage` with the batch not split, nothing else split
     (the `pp` strategy): the TPU terms below describe it; else None."""
-    from shardkit.parallel.pipeline_schedule import parse
+    from shardkit.parallel.pipeline.schedules import parse
     from shardkit.strategies import strategy as named
 
     t = named(strategy).traits()
@@ -385,7 +385,7 @@ def sdp_divisibility(strategy: Any, cfg: Any, mesh: dict[str, int], global_batch
     """What the SDP step would refuse ("" if nothing): fsdp and tensor both inside a worker, no ownership table
     for the data workers, or the worker's shapes not dividing fsdp x tensor."""
     if mesh.get("fsdp", 1) > 1 and mesh.get("tensor", 1) > 1:
-        return "sdp spans fsdp or tensor inside a worker, not both (shardkit/parallel/sdp_compose.py)"
+        return "sdp spans fsdp or tensor inside a worker, not both (shardkit/parallel/sdp/compose.py)"
     try:
         sk.sdp.ownership(cfg.num_layers, mesh.get("data", 1), sdp_options(strategy).coverage)
     except ShardkitError as err:
@@ -398,7 +398,7 @@ def sdp_terms(
     backend: str = "gpu", remat: str | None = None,
 ) -> tuple[list[Comm], dict[str, float]]:  # fmt: skip
     """(collectives, memory per device) of one GPT step under block-level, forward-masked SDP (Singh et al.,
-    2507.09029; shardkit/parallel/sdp.py) with cyclic ownership over `data`, fsdp / tensor inside each worker.
+    2507.09029; shardkit/parallel/sdp/) with cyclic ownership over `data`, fsdp / tensor inside each worker.
 
     A worker holds k = coverage x L blocks: its devices store shared + coverage x blocks parameters, each array
     over its fsdp x tensor degree (sdp_compose.py's formula; the RMSNorm scales over fsdp only), run k blocks'

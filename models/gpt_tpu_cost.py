@@ -18,7 +18,7 @@ to bf16 where it is produced (`lo = min(nbytes, 2)` below); so:
   as collective-permutes over fsdp, as the HLO has them. The backward's re-gathers stay all-gathers;
 - context parallelism (cp_*: the ring kernel, tokens over seq): K and V blocks travel the ring in bf16 forward and
   again backward (4 (N - 1) transfers a layer), dK and dV in fp32 (2 N: they come home); every gradient is
-  all-reduced over (data, seq) at once (shardkit/attention/ring.py; tests/test_hlo_tpu.py);
+  all-reduced over (data, seq) at once (shardkit/parallel/context/ring.py; tests/test_hlo_tpu.py);
 - pipeline (pp: GPipe over stage, the batch not split): a microbatch's [B/m, S, e] one hop a tick, forward and
   backward (2 (m + p - 1) permutes, at `nbytes`: they feed RMSNorm), and two all-reduces over stage of the whole
   [B, S, e]: the last stage's output to every stage (each runs the head and loss) and its gradient back.

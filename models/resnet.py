@@ -231,4 +231,4 @@ def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple
     """(mean cross-entropy in nats, {"accuracy": fraction of argmax == label}) of `{"image", "label"}`."""
     logits = model(batch["image"])
     accuracy = (jnp.argmax(logits, axis=-1) == batch["label"]).astype(jnp.float32).mean()
-    return sk.train.cross_entropy(logits, batch["label"]), {"accuracy": accuracy}
+    return sk.cross_entropy(logits, batch["label"]), {"accuracy": accuracy}

@@ -167,7 +167,7 @@ def segmentation_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[j
     labels = batch["label"]
     pred = jnp.argmax(logits, axis=-1)
     metrics = {"accuracy": (pred == labels).astype(jnp.float32).mean(), "dice": dice(pred, labels, logits.shape[-1])}
-    return sk.train.cross_entropy(logits, labels), metrics
+    return sk.cross_entropy(logits, labels), metrics
 
 
 def dice(pred: jax.Array, labels: jax.Array, num_classes: int) -> jax.Array:

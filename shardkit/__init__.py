@@ -1,22 +1,24 @@
-"""shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
+"""shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism.
 
-import sys as _sys
+Every public name, one line each: docs/api.md. Functions and classes are here; a namespace is a module whose
+functions are the API (`sk.attention.ring_attention`, `sk.tensor3d.linear`, `sk.hlo.collectives`, ...).
+"""
+
+import warnings as _warnings
+from typing import Any as _Any
 
 from shardkit import (
     attention,
-    checkpoint,
     collectives,
     costmodel,
-    dispatch,
     embedding,
+    hlo,
     kernels,
     layers,
     offload,
-    step,
-    targets,
-    train,
 )
 from shardkit.checkpoint import Checkpointer, NonFiniteError
+from shardkit.clipping import clip_by_global_norm, global_norm
 from shardkit.costmodel import plan
 from shardkit.dispatch import configure, make_train_step, register_step
 from shardkit.errors import ShardkitError
@@ -29,19 +31,32 @@ from shardkit.init import (
     sharded_init,
     state_logical_axes,
 )
+from shardkit.losses import cross_entropy
 from shardkit.mesh import HardwarePreset, available_presets, load_preset, make_mesh, mesh_shape_str
 from shardkit.parallel import hetero, moe, pipeline, sdp, spatial, tensor3d  # they register themselves
-from shardkit.rules import constrain, logical_to_spec, scope, use_rules
+from shardkit.rules import constrain, logical_to_spec, platform_family, scope, use_rules
 from shardkit.step import TrainState, TrainStep
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.targets import Target, keep_host_platforms, target
 
 keep_host_platforms()  # before JAX starts its backends: no libtpu probe on a host without a TPU (target.py)
 
-# The explain module was shardkit/inspect.py, which shadowed the standard library's `inspect` for scripts run from
-# inside the package; the old import path still works, without a file of that name.
-inspect = _sys.modules["shardkit.explain"]
-_sys.modules.setdefault("shardkit.inspect", inspect)
+#: Names that moved, served for one more release with a DeprecationWarning: old name -> (module, what to use now).
+_MOVED = {
+    "train": ("shardkit.parallel.gspmd.step", "sk.cross_entropy, sk.clip_by_global_norm, sk.global_norm"),
+    "inspect": ("shardkit.explain", "sk.explain (the function) or `import shardkit.explain`"),
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _MOVED:
+        import importlib
+
+        module, instead = _MOVED[name]
+        _warnings.warn(f"sk.{name} is deprecated and will be removed: use {instead}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(module)
+    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+
 
 __all__ = [
     "STRATEGIES",
@@ -57,16 +72,19 @@ __all__ = [
     "abstract_model",
     "attention",
     "available_presets",
-    "checkpoint",
+    "clip_by_global_norm",
     "collectives",
     "configure",
     "constrain",
     "costmodel",
-    "dispatch",
+    "cross_entropy",
     "embedding",
     "explain",
     "from_linen",
+    "global_norm",
     "hetero",
+    "hlo",
+    "keep_host_platforms",
     "kernels",
     "layers",
     "load_preset",
@@ -80,6 +98,7 @@ __all__ = [
     "param_shardings",
     "pipeline",
     "plan",
+    "platform_family",
     "register_step",
     "register_strategy",
     "scope",
@@ -87,11 +106,8 @@ __all__ = [
     "sharded_init",
     "spatial",
     "state_logical_axes",
-    "step",
     "strategy",
     "target",
-    "targets",
     "tensor3d",
-    "train",
     "use_rules",
 ]

@@ -1,12 +1,13 @@
 """Gradient accumulation: the mean loss, metrics and gradient of M microbatches of a batch, one at a time.
 
 One implementation for every step that loops over microbatches sequentially:
-- the GSPMD step (shardkit/train.py) for a model with state besides parameters (BatchNorm statistics, dropout RNG
-  counters) or an unsharded batch; for a stateless model on a sharded batch it keeps one unreduced gradient per
-  batch shard instead (`GSPMDStep._accumulate`), so that the step reduces the gradient once, not M times;
-- the SDP step (shardkit/parallel/sdp_step.py), inside each worker's `shard_map`.
+- the GSPMD step (shardkit/parallel/gspmd/step.py) for a model with state besides parameters (BatchNorm
+  statistics, dropout RNG counters) or an unsharded batch; for a stateless model on a sharded batch it keeps one
+  unreduced gradient per batch shard instead (`GSPMDStep._accumulate`), so that the step reduces the gradient
+  once, not M times;
+- the SDP step (shardkit/parallel/sdp/step.py), inside each worker's `shard_map`.
 
-The heterogeneous-DP step (shardkit/parallel/hetero_step.py) loops too, but over a per-device number of
+The heterogeneous-DP step (shardkit/parallel/hetero/step.py) loops too, but over a per-device number of
 micro-batches with row masks and a weighted mean; it is a different loop, written there.
 
 The split is strided: row r goes to microbatch r mod M, so that each microbatch keeps the batch's sharding (a

@@ -5,7 +5,7 @@
 
 Under GSPMD a layer sees the global batch, so `nnx.BatchNorm` and `nnx.Dropout` already compute what one device
 computes. A step that runs the model on a *part* of the batch inside `shard_map` (hetero_dp's per-device blocks of
-uneven size: shardkit/parallel/hetero_step.py) says which part with `local_batch(rows, valid, axes)`, and these two
+uneven size: shardkit/parallel/hetero/step.py) says which part with `local_batch(rows, valid, axes)`, and these two
 layers use it:
 
 - `BatchNorm`: with `axes`, its training statistics are the sums and sums of squares over the `valid` rows, summed

@@ -2,7 +2,7 @@
 
 `optax.clip_by_global_norm` sums the squares of every stored element. Under subnetwork data parallelism a block
 is stored once per holder, so the step traces its update under `norm_weights(1 / holder count)` and these count
-each parameter once; elsewhere they are optax's. Public as `sk.train.global_norm` / `clip_by_global_norm`.
+each parameter once; elsewhere they are optax's. Public as `sk.global_norm` / `clip_by_global_norm`.
 """
 
 from __future__ import annotations

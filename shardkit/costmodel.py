@@ -10,7 +10,7 @@ global_batch) -> reason` drops plans whose shapes do not divide). This module ow
 the time of a collective on a preset's links, AxoNN's fitted model, the AxoNN 3D linear's own collectives
 (`tp3d_layer_comms`), the candidate meshes (every power-of-two mesh over the axes a strategy's tables use) and
 the ranking; a hook writes its rows with the public `CommBuilder`, and `register_plan_hook` refines every plan
-(the heterogeneous balance, shardkit/parallel/hetero.py). For any model's parameter traffic under any rules
+(the heterogeneous balance, shardkit/parallel/hetero/uneven.py). For any model's parameter traffic under any rules
 table, see `shardkit.costmodel_rules`.
 
 Bytes are per device per step, ring volumes (docs/algorithms.md §1; what `shardkit.hlo` counts from compiled HLO):
@@ -74,7 +74,7 @@ class Plan:
     fits: bool
     reason: str = ""
     #: heterogeneous presets (meshes/*.toml with [[groups]]): predicted compute time per step, even vs balanced
-    #: (attached by a plan hook: shardkit/parallel/hetero.py `plan_on_groups`); None on uniform hardware
+    #: (attached by a plan hook: shardkit/parallel/hetero/uneven.py `plan_on_groups`); None on uniform hardware
     hetero: Any = None
     #: the remat policy the memory is predicted under (the strategy's `remat` kernel slot), and the FLOPs per
     #: device the backward re-runs under it, with their time at the preset's peak x `plan(efficiency=)`
@@ -249,7 +249,7 @@ PLAN_HOOKS: list[Callable[..., Plan]] = []
 
 def register_plan_hook(fn: Callable[..., Plan]) -> Callable[..., Plan]:
     """Adds `fn(plan, model_cfg, hw, global_batch, seq_len, memory_fraction) -> Plan` to every `plan()` call's
-    refinements (shardkit/parallel/hetero.py adds the balanced batch on heterogeneous presets)."""
+    refinements (shardkit/parallel/hetero/uneven.py adds the balanced batch on heterogeneous presets)."""
     if fn not in PLAN_HOOKS:
         PLAN_HOOKS.append(fn)
     return fn

@@ -5,8 +5,9 @@
     step = sk.make_train_step(model, tx, mesh, sk.strategy("dp").replace(step="my_step"))
     strategy = sk.configure("sdp", {"sdp": {"coverage": 0.25}}, devices=8)
 
-No module here names a parallelism: the steps register themselves next to their parallelism (shardkit/train.py,
-shardkit/parallel/sdp_step.py, hetero_step.py), and kernels bring their own `configure` (shardkit/kernels.py).
+No module here names a parallelism: the steps register themselves next to their parallelism
+(shardkit/parallel/gspmd/step.py, sdp/step.py, hetero/step.py), and kernels bring their own `configure`
+(shardkit/kernels.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from shardkit.batch import BatchAxes
 from shardkit.errors import ShardkitError
 from shardkit.presets import HardwarePreset
 from shardkit.step import LossFn, TrainStep
-from shardkit.strategies import Strategy
+from shardkit.strategies import BoundStrategy, Strategy
 from shardkit.strategies import strategy as get_strategy
 
 STEPS: dict[str, type[TrainStep]] = {}
@@ -57,7 +58,7 @@ def make_train_step(
     model: nnx.Module,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
-    strategy: str | Strategy,
+    strategy: str | Strategy | BoundStrategy,
     *,
     loss_fn: LossFn | None = None,
     batch_axes: BatchAxes = None,
@@ -66,13 +67,15 @@ def make_train_step(
 ) -> TrainStep:
     """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`.
 
-    The step class is the one the strategy names (`Strategy.step`; "gspmd" by default, shardkit/train.py).
+    The step class is the one the strategy names (`Strategy.step`; "gspmd" by default, shardkit/parallel/gspmd/),
+    built with exactly these arguments (`TrainStep.__init__` has this signature). `strategy`: a name, a Strategy, or
+    the run's BoundStrategy (resolved once and taken as it is).
     `loss_fn(model, batch) -> (loss, metrics)`: default the model's own `loss` (a GPT's next-token loss);
     `batch_axes`: the logical names of the batch's dimensions (default the model's, else ("batch",));
     `microbatches`: gradient accumulation steps per call; `donate`: the state's buffers are reused in place."""
-    chosen = get_strategy(strategy)
-    return step_class(chosen.step)(model, optimizer, mesh, chosen, loss_fn=loss_fn, batch_axes=batch_axes,
-                                   microbatches=microbatches, donate=donate)  # fmt: skip
+    cls = step_class(get_strategy(strategy).step)  # a Strategy or BoundStrategy is not looked up again
+    return cls(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
+               donate=donate)  # fmt: skip
 
 
 def configure(

@@ -40,6 +40,8 @@ from jax.sharding import PartitionSpec as P
 from shardkit import kernels
 from shardkit.errors import ShardkitError
 from shardkit.rules import constrain, platform_family
+from shardkit.strategies import BoundStrategy, Strategy
+from shardkit.strategies import strategy as get_strategy
 
 
 def lookup(table: jax.Array, tokens: jax.Array, names: Sequence[str], dtype: Any) -> jax.Array:
@@ -154,12 +156,10 @@ def _auto(table: jax.Array, tokens: jax.Array, names: tuple, dtype: Any, *, cont
     return KERNELS[kernel](table, tokens, names, dtype, context=context)
 
 
-def planned(strategy: Any, mesh: dict[str, int], batch: int, platform: str) -> str:
+def planned(strategy: str | Strategy | BoundStrategy, mesh: dict[str, int], batch: int, platform: str) -> str:
     """The kernel `strategy`'s `embed` slot runs on a mesh of these axis sizes for a batch of `batch` sequences
     ("local", "vocab" or "gather"): what the cost models price, without tracing (models/gpt.py's cost hook)."""
-    from shardkit.strategies import strategy as get_strategy
-
-    s = get_strategy(strategy)
+    s = get_strategy(strategy)  # a Strategy or BoundStrategy as it is (a name is looked up)
     name = s.kernels.get("embed", kernels.DEFAULTS["embed"])
     return choose(name, platform, mesh, s.param_rules, s.compute_rules, ("vocab", "embed"), batch)
 

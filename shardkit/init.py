@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.errors import ShardkitError
 from shardkit.mesh import step_mesh
 from shardkit.rules import Rules, named_sharding
-from shardkit.strategies import Strategy
+from shardkit.strategies import BoundStrategy, Strategy, bind
 from shardkit.strategies import strategy as get_strategy
 from shardkit.targets import require_runnable
 
@@ -256,7 +256,7 @@ def param_shardings(abstract: nnx.Module | nnx.State, rules: Rules, mesh: Mesh) 
 
 
 def sharded_init(
-    make_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh, strategy: str | Strategy, seed: int = 0
+    make_model: Callable[[nnx.Rngs], nnx.Module], mesh: Mesh, strategy: str | Strategy | BoundStrategy, seed: int = 0
 ) -> nnx.Module:
     """Builds `make_model(nnx.Rngs(seed))` directly sharded by the strategy's parameter rules.
 
@@ -264,9 +264,10 @@ def sharded_init(
     it has logical names, else it is replicated.
     """
     require_runnable(mesh, "sk.sharded_init")  # a target's devices: the abstract path instead, said so
-    strategy = get_strategy(strategy)
-    mesh = step_mesh(mesh, strategy.explicit_axes, "sk.sharded_init")  # as make_train_step takes it
-    bound = strategy.bind(mesh)
+    chosen = get_strategy(strategy)  # a Strategy or BoundStrategy as it is: no second look-up
+    mesh = step_mesh(mesh, chosen.explicit_axes, "sk.sharded_init")  # as make_train_step takes it
+    bound = bind(strategy if isinstance(strategy, BoundStrategy) else chosen, mesh)
+    strategy = chosen
     graphdef, abs_params, abs_rest = split_params(abstract_model(make_model, seed))
     shardings = (
         state_shardings(

@@ -268,8 +268,8 @@ def tag(x: Any, name: str) -> Any:
 # with `VOLUME = ("batch", "depth", "height", "width", "channels")` the activation's logical names, and the
 # strategy's `kernels` table picks the implementation: "xla" (default: one `lax` op, sharded by GSPMD from the
 # rules, which inserts the halos itself) or "halo" (explicit ppermute halo exchange). Both kernels live and register
-# themselves in shardkit/parallel/spatial.py and check the split against the same constraints first, so a bad split
-# is an error naming the layer.
+# themselves in shardkit/parallel/spatial/ and check the split against the same constraints first, so a bad split is
+# an error naming the layer.
 DEFAULTS.setdefault("conv", "xla")
 DEFAULTS.setdefault("pool", "xla")
 

@@ -5,12 +5,12 @@
     state = step.init_state()                 # optimizer state created directly sharded
     state, metrics = step(state, batch)       # metrics: loss, grad_norm and whatever loss_fn reports
 
-A strategy names the step that runs it (`Strategy.step`, default "gspmd": shardkit/train.py) and carries that
-step's options (`Strategy.options`); shardkit/dispatch.py looks it up. A step is a subclass of `TrainStep` that
-registers itself next to its parallelism (shardkit/parallel/sdp_step.py, hetero_step.py), implements `step_fn`
-(the function that is jitted) and, if it needs to, `setup` (reads its options, after the common construction
-below) and the methods whose layout differs from the GSPMD step's (`init_state`, `abstract_state`, `evaluate`,
-`prepare`, ...):
+A strategy names the step that runs it (`Strategy.step`, default "gspmd": shardkit/parallel/gspmd/step.py) and
+carries that step's options (`Strategy.options`); shardkit/dispatch.py looks it up. A step is a subclass of
+`TrainStep` that registers itself next to its parallelism (shardkit/parallel/sdp/step.py, hetero/step.py),
+implements `step_fn` (the function that is jitted) and, if it needs to, `setup` (reads its options, after the
+common construction below) and the methods whose layout differs from the GSPMD step's (`init_state`,
+`abstract_state`, `evaluate`, `prepare`, ...):
 
     @sk.register_step("my_step")
     class MyStep(sk.TrainStep):
@@ -70,7 +70,7 @@ from shardkit.init import (
 )
 from shardkit.mesh import has_explicit_axes, step_mesh
 from shardkit.rules import compiling_for, flax_rules, logical_to_spec, use_rules
-from shardkit.strategies import Strategy
+from shardkit.strategies import BoundStrategy, Strategy, bind
 from shardkit.strategies import strategy as get_strategy
 from shardkit.targets import cache_off_for, compile_only, require_runnable
 
@@ -135,13 +135,15 @@ class TrainStep(abc.ABC):
         model: nnx.Module,
         optimizer: optax.GradientTransformation,
         mesh: Mesh,
-        strategy: str | Strategy,
+        strategy: str | Strategy | BoundStrategy,
         *,
         loss_fn: LossFn | None = None,
         batch_axes: BatchAxes = None,
         microbatches: int = 1,
         donate: bool = True,
     ):
+        """The signature of `sk.make_train_step`, which builds the subclass the strategy names. A BoundStrategy (the
+        run's strategy resolved once) is taken as it is; a name is looked up here, once."""
         if microbatches < 1:
             raise ShardkitError(f"microbatches={microbatches} must be >= 1")
         self.strategy = get_strategy(strategy)
@@ -151,7 +153,7 @@ class TrainStep(abc.ABC):
         self.explicit = has_explicit_axes(mesh)
         with compiling_for(mesh):  # kernel checks that depend on the platform ask the mesh's devices, not the host's
             kernels.check(self.strategy.kernels)
-        self.bound = self.strategy.bind(mesh)
+        self.bound = bind(strategy if isinstance(strategy, BoundStrategy) else self.strategy, mesh)
         self.mesh, self.tx, self.microbatches, self.source_model = mesh, optimizer, microbatches, model
         self.loss_fn = self._default_loss(model) if loss_fn is None else loss_fn
         batch_axes = getattr(model, "batch_axes", None) if batch_axes is None else batch_axes

@@ -10,10 +10,10 @@ Define your own in a few lines:
                                                                         "vocab": ("fsdp",), "embed": None})
     sk.register_strategy(my)
 
-This module holds the class, the registry and the GSPMD tables of data, ZeRO, FSDP and Megatron parallelism. An
-explicit parallelism registers its strategies next to its code: context parallelism in
-shardkit/attention/strategies.py, spatial in shardkit/parallel/spatial_kernels.py, tp3d in
-shardkit/parallel/tensor3d.py, the pipelines, SDP, MoE and hetero in their modules of shardkit/parallel/.
+This module holds the class, the registry and the building blocks of the tables. Every parallelism registers its
+strategies in its own folder of shardkit/parallel/: the GSPMD tables of data, ZeRO, FSDP and Megatron parallelism in
+gspmd/strategies.py, context parallelism in context/strategies.py, spatial in spatial/kernels.py, tp3d in
+tensor3d.py, the pipelines, SDP, MoE and hetero in theirs.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class Strategy:
     collectives: str = ""  # what it compiles to, for docs/strategies.md's table and explain()
     #: slot -> kernel name (shardkit/kernels.py), e.g. {"attention": "ring:zigzag", "layers": "scan", "conv": ...}
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    #: the train step that runs this strategy (shardkit/step.py registry): "gspmd" (shardkit/train.py, one jit
-    #: partitioned by GSPMD from the tables) or a step of its own ("sdp", "hetero": shardkit/parallel/)
+    #: the train step that runs this strategy (shardkit/step.py registry): "gspmd" (shardkit/parallel/gspmd/step.py,
+    #: one jit partitioned by GSPMD from the tables) or a step of its own ("sdp", "hetero": shardkit/parallel/)
     step: str = "gspmd"
     #: that step's options (e.g. the SDP step's SDPConfig); None for the GSPMD step
     options: Any = None
@@ -217,7 +217,11 @@ class Strategy:
 
 @dataclasses.dataclass(frozen=True)
 class BoundStrategy:
-    """A strategy resolved against one mesh: the three rules tables contain only axes of that mesh."""
+    """A strategy resolved against one mesh: the three rules tables contain only axes of that mesh.
+
+    A run resolves its strategy once (`sk.strategy(name)`, then `bind(strategy, mesh)`) and hands this object down:
+    `make_train_step`, the step, `sharded_init`, explain and the cost models take it as it is, with no second
+    look-up or bind."""
 
     strategy: Strategy
     mesh: Mesh
@@ -225,6 +229,24 @@ class BoundStrategy:
     opt_rules: dict[str, MeshAxes]
     compute_rules: dict[str, MeshAxes]
     scopes: dict[str, dict[str, MeshAxes]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name
+
+    @property
+    def kernels(self) -> Mapping[str, str]:
+        """slot -> kernel name (shardkit/kernels.py)."""
+        return self.strategy.kernels
+
+
+def bind(strategy: str | Strategy | BoundStrategy, mesh: Mesh) -> BoundStrategy:
+    """`strategy` bound to `mesh`: a BoundStrategy already bound to this mesh passes through as it is, a Strategy is
+    bound, a name is looked up first. Every step and `sharded_init` go through here, so a resolved strategy is never
+    looked up or bound twice."""
+    if isinstance(strategy, BoundStrategy) and strategy.mesh == mesh:
+        return strategy
+    return _resolve(strategy).bind(mesh)
 
 
 def _prod(values: Any) -> int:
@@ -234,20 +256,17 @@ def _prod(values: Any) -> int:
     return out
 
 
-def _rules(**overrides: str | Sequence[str] | None) -> dict[str, MeshAxes]:
+def table(**overrides: str | Sequence[str] | None) -> dict[str, MeshAxes]:
+    """A rules table: every logical name replicated but the `overrides` (name -> mesh axis or axes)."""
     return {**_REPLICATED, **normalize_rules(overrides)}
 
 
-_TP = {"heads": "tensor", "kv_heads": "tensor", "kv": "tensor", "mlp": "tensor", "vocab": "tensor"}
-_DP_FSDP = ("data", "fsdp")
-# FSDP rests a transformer's parameters on their `embed` dimension and a CNN's on their (output) `channels`.
-_FSDP = {"embed": "fsdp", "channels": "fsdp"}
-
-#: Building blocks for strategies defined next to their parallelism (shardkit/parallel/pipeline.py):
-#: `table(**overrides)` = every logical name replicated but the overrides; Megatron's tensor rules; FSDP's
-#: parameter rules; the batch axes of data x fsdp.
-table = _rules
-TENSOR_RULES, FSDP_RULES, DATA_FSDP = dict(_TP), dict(_FSDP), _DP_FSDP
+#: Building blocks for the strategies each parallelism registers beside its code (shardkit/parallel/): Megatron's
+#: tensor rules; FSDP's parameter rules, which rest a transformer's parameters on their `embed` dimension and a
+#: CNN's on their (output) `channels`; the batch axes of data x fsdp.
+TENSOR_RULES = {"heads": "tensor", "kv_heads": "tensor", "kv": "tensor", "mlp": "tensor", "vocab": "tensor"}
+FSDP_RULES = {"embed": "fsdp", "channels": "fsdp"}
+DATA_FSDP = ("data", "fsdp")
 
 STRATEGIES: dict[str, Strategy] = {}
 
@@ -256,121 +275,6 @@ def register_strategy(s: Strategy) -> Strategy:
     """Makes `sk.strategy(s.name)` return `s` (replacing any strategy of that name)."""
     STRATEGIES[s.name] = s
     return s
-
-
-register_strategy(
-    Strategy(
-        "dp",
-        _rules(),
-        _rules(batch="data"),
-        required_axes=("data",),
-        description="batch over data; parameters and optimizer state replicated",
-        collectives="all-reduce of gradients over data, once per step",
-    )
-)
-register_strategy(
-    STRATEGIES["dp"].replace(
-        name="dp_split_head",
-        scopes={"head": {"classes": "data", "vocab": "data", "batch": None}},
-        description="Whale's replicate + split: the network data-parallel, its classifier / output projection "
-        "(module `head`) split over the same devices by classes / vocab, the batch gathered into it",
-        collectives="gradient all-reduce of the replicated part; an all-gather of the features into the head; the "
-        "head's weight gradient stays local (its classes are split, its batch whole)",
-    )
-)
-register_strategy(
-    Strategy(
-        "zero1",
-        _rules(),
-        _rules(batch="data"),
-        opt_rules=_rules(embed="data", channels="data"),
-        required_axes=("data",),
-        description="as dp, but optimizer state sharded over data (ZeRO-1)",
-        collectives="all-reduce of gradients; all-gather of updated parameters over data",
-    )
-)
-register_strategy(
-    Strategy(
-        "fsdp",
-        _rules(**_FSDP),
-        _rules(batch=_DP_FSDP),
-        required_axes=("fsdp",),
-        description="batch over data x fsdp; parameters, gradients, optimizer state on embed / channels over fsdp"
-        " (ZeRO-3)",
-        collectives="all-gather of parameters (fwd and bwd), reduce-scatter of gradients over fsdp",
-    )
-)
-register_strategy(
-    Strategy(
-        "tp",
-        _rules(**_TP),
-        _rules(batch="data", **_TP),
-        required_axes=("tensor",),
-        description="Megatron: QKV / MLP-in column-parallel, out / MLP-out row-parallel, vocab-parallel head",
-        collectives="2 all-reduces of activations per layer forward, 2 backward, over tensor",
-    )
-)
-register_strategy(
-    Strategy(
-        "tp_sp",
-        _rules(**_TP),
-        _rules(batch="data", res_seq="tensor", **_TP),
-        required_axes=("tensor",),
-        description="tp + norms and residual stream sharded on sequence (Korthikanti et al.)",
-        collectives="all-gather / reduce-scatter pairs over tensor instead of tp's all-reduces",
-    )
-)
-register_strategy(
-    Strategy(
-        "fsdp_tp",
-        _rules(**_FSDP, **_TP),
-        _rules(batch=_DP_FSDP, **_TP),
-        required_axes=("fsdp", "tensor"),
-        description="fsdp over fsdp x Megatron tp over tensor (data, if present, is plain data parallel)",
-        collectives="fsdp's all-gather / reduce-scatter over fsdp + tp's all-reduces over tensor",
-    )
-)
-register_strategy(
-    Strategy(
-        "dp_fsdp_tp",
-        _rules(**_FSDP, **_TP),
-        _rules(batch=_DP_FSDP, **_TP),
-        required_axes=("data", "fsdp", "tensor"),
-        description="3D: replicas over data (HSDP), fsdp within, Megatron tp innermost",
-        collectives="gradient all-reduce over data + fsdp's all-gather / reduce-scatter + tp's all-reduces",
-    )
-)
-
-
-register_strategy(
-    Strategy(
-        "tp_channels",
-        _rules(channels="tensor"),
-        _rules(batch="data", channels="tensor"),
-        required_axes=("tensor",),
-        description="CNNs: output channels of every convolution over tensor (parameters and activations), batch "
-        "over data",
-        collectives="activation all-gathers / all-reduces over tensor around each convolution (XLA picks them; "
-        "explain lists them); gradient all-reduce over data",
-    )
-)
-
-
-# The model's own layout: a model annotated with mesh-axis names (nnx.with_partitioning(init, ("fsdp", "tensor")),
-# a PartitionSpec of data / fsdp / tensor, as Flax's guide writes it) keeps exactly those shardings; the batch goes
-# over data x fsdp unless the model's batch_axes name mesh axes themselves.
-_IDENTITY = {a: a for a in MESH_AXES}
-register_strategy(
-    Strategy(
-        "annotated",
-        _rules(**_IDENTITY),
-        _rules(batch=_DP_FSDP, **_IDENTITY),
-        explicit_axes=True,  # an explicit-mode model (out_sharding=, reshard) on jax.make_mesh's mesh runs as written
-        description="the model's own annotations: a name that is a mesh axis shards over that axis, no rules table; "
-        "on a mesh with Explicit axes, JAX's explicit sharding mode (the model's out_sharding= and reshard calls)",
-        collectives="what the annotations imply, partitioned by GSPMD (see explain)",
-    )
-)
 
 
 #: Old names that keep working, each saying once per process that it is deprecated: the context-parallel
@@ -382,15 +286,22 @@ DEPRECATED_NAMES: dict[str, str] = {
 _warned: set[str] = set()
 
 
-def strategy(name: str | Strategy) -> Strategy:
-    """The registered strategy `name` (a Strategy passes through; a deprecated name gives its new one's)."""
+def strategy(name: str | Strategy | BoundStrategy) -> Strategy:
+    """The registered strategy `name` (a Strategy passes through, a BoundStrategy gives its strategy; a deprecated
+    name gives its new one's)."""
+    return _resolve(name)
+
+
+def _resolve(name: str | Strategy | BoundStrategy) -> Strategy:
     if isinstance(name, Strategy):
         return name
+    if isinstance(name, BoundStrategy):
+        return name.strategy
     if name in DEPRECATED_NAMES and name not in STRATEGIES:
         if name not in _warned:
             _warned.add(name)
             warnings.warn(f"strategy {name!r} is now {DEPRECATED_NAMES[name]!r} (context parallelism); the old name "
-                          "will be removed", FutureWarning, stacklevel=2)  # fmt: skip
+                          "will be removed", FutureWarning, stacklevel=3)  # fmt: skip
         name = DEPRECATED_NAMES[name]
     if name not in STRATEGIES:
         close = difflib.get_close_matches(name, STRATEGIES, n=3)

@@ -72,9 +72,9 @@ def strategy_for(name: str) -> Any:
     """The registered strategy, with the options its own tests use: SDP at coverage 1 (every worker holds every
     block: SDP's step, equal to data parallelism, so to one device), hetero_dp with uneven per-device counts."""
     if name == "sdp":
-        return sk.sdp.strategy(coverage=1.0)
+        return sk.sdp.make_strategy(coverage=1.0)
     if name == "hetero_dp":
-        return sk.hetero.strategy([3, 3, 2, 2, 1, 1, 2, 2], microbatch=1)  # 16 examples, unevenly
+        return sk.hetero.make_strategy([3, 3, 2, 2, 1, 1, 2, 2], microbatch=1)  # 16 examples, unevenly
     return sk.strategy(name)
 
 

@@ -56,7 +56,7 @@ class GuideLM(nnx.Module):
 
 def lm_loss(model, batch):
     logits = model(batch["tokens"][:, :-1])
-    return sk.train.cross_entropy(logits, batch["tokens"][:, 1:]), {"top1": (logits.argmax(-1) == 0).mean()}
+    return sk.cross_entropy(logits, batch["tokens"][:, 1:]), {"top1": (logits.argmax(-1) == 0).mean()}
 
 
 def token_batch(b=16):
@@ -139,7 +139,7 @@ IMAGE_AXES = {"image": ("batch", "height", "width", None), "label": ("batch",)} 
 
 def image_loss(model, batch):
     logits = model(batch["image"])
-    return sk.train.cross_entropy(logits, batch["label"]), {"accuracy": (logits.argmax(-1) == batch["label"]).mean()}
+    return sk.cross_entropy(logits, batch["label"]), {"accuracy": (logits.argmax(-1) == batch["label"]).mean()}
 
 
 def image_batch(b=16):
@@ -390,7 +390,7 @@ def linen_loss(model, batch):
     # as Linen's apply: the collections a training call updates are named mutable, and come back with the output
     logits, updates = model(batch["x"], train=True, mutable=["batch_stats"])
     assert set(updates) == {"batch_stats"}
-    return sk.train.cross_entropy(logits, batch["label"])
+    return sk.cross_entropy(logits, batch["label"])
 
 
 def linen_batch():

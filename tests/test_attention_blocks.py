@@ -23,8 +23,8 @@ from test_parity import assert_params_close
 
 import shardkit as sk
 from shardkit.attention import blocks, dense_attention, ring_attention, to_layout, ulysses_attention, usp_attention
-from shardkit.attention.layouts import LAYOUTS, block_positions
-from shardkit.attention.ring_fused import plans
+from shardkit.parallel.context.layouts import LAYOUTS, block_positions
+from shardkit.parallel.context.ring_fused import plans
 
 B, S, H, KV, D = 1, 512, 4, 2, 16
 TOL = 5e-5

@@ -1,4 +1,4 @@
-"""The context-parallel kernels' default chunk (shardkit/attention/chunking.py): chosen per backend and block,
+"""The context-parallel kernels' default chunk (shardkit/parallel/context/chunking.py): chosen per backend and block,
 overridable by argument or kernel option, refused when malformed. Choices only: no timing is asserted (the
 speed behind the choice is experiments/bench/bench_attention.py's). That the kernels equal dense attention on
 the default chunk is test_context_parallel.py's (its `chunk=None` cases)."""
@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import shardkit as sk
-from shardkit.attention import chunking
+from shardkit.parallel.context import chunking
 
 
 def test_the_platform_is_read_from_a_concrete_or_an_abstract_mesh():

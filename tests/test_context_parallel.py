@@ -40,7 +40,7 @@ from test_parity import assert_params_close
 import shardkit as sk
 from models.gpt import GPT
 from shardkit import hlo
-from shardkit.attention.layouts import block_positions, layout_perm
+from shardkit.parallel.context.layouts import block_positions, layout_perm
 
 B, D, HEADS = 2, 8, 4
 TOL = 5e-5  # see the module docstring
@@ -168,7 +168,7 @@ def test_usp_matches_dense(layout, causal, kv_heads):
 
 def test_ring_type_checks_under_check_vma(monkeypatch):
     """The kernels ship with check_vma=False (see ring.CHECK_VMA); their carries are typed right regardless."""
-    from shardkit.attention import ring as ring_module
+    from shardkit.parallel.context import ring as ring_module
 
     monkeypatch.setattr(ring_module, "CHECK_VMA", True)
     mesh = sk.make_mesh("data=2,seq=4")

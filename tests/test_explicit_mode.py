@@ -62,7 +62,7 @@ class ExplicitLM(nnx.Module):
         return self.norm(x) @ reshard(self.head[...], P())
 
     def loss(self, batch: dict) -> jax.Array:
-        return sk.train.cross_entropy(self(batch["tokens"][:, :-1]), batch["tokens"][:, 1:])
+        return sk.cross_entropy(self(batch["tokens"][:, :-1]), batch["tokens"][:, 1:])
 
 
 def tokens():
@@ -129,7 +129,7 @@ def test_each_sharding_mode_refuses_a_model_written_for_the_other():
 
         def loss(self, batch: dict) -> jax.Array:
             logits = self.head(nn.with_logical_constraint(self.embed(batch["tokens"][:, :-1]), ("batch", None, None)))
-            return sk.train.cross_entropy(logits, batch["tokens"][:, 1:])
+            return sk.cross_entropy(logits, batch["tokens"][:, 1:])
 
     model = sk.sharded_init(GSPMDStyle, mesh, "annotated")
     step = sk.make_train_step(model, optax.sgd(0.1), mesh, "annotated")

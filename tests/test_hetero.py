@@ -1,4 +1,4 @@
-"""Heterogeneous devices (shardkit/parallel/hetero.py): the capacity split, the min-max stage cut, and balanced data
+"""Heterogeneous devices (shardkit/parallel/hetero/): the capacity split, the min-max stage cut, and balanced data
 parallelism (per-device trip counts) against the even global-batch step.
 
 Parity tolerance: the balanced step sums each device's micro-batch gradients locally, then all-reduces; the even
@@ -78,7 +78,7 @@ def test_balanced_dp_equals_the_even_step_and_has_no_collective_in_its_loop(mode
     counts, mb = [3, 3, 2, 2, 1, 1, 2, 2], 2  # 16 micro-batches of 2 sequences = the even step's 32
     batch = make_batch(sum(counts) * mb, 16, CFG.vocab_size)
     results = {}
-    for name, strategy in {"dp": "dp", "hetero": sk.hetero.strategy(counts, microbatch=mb, mode=mode)}.items():
+    for name, strategy in {"dp": "dp", "hetero": sk.hetero.make_strategy(counts, microbatch=mb, mode=mode)}.items():
         model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy, seed=0)
         step = sk.make_train_step(model, optax.sgd(0.5), mesh, strategy)
         state, losses = step.init_state(), []
@@ -101,8 +101,8 @@ def test_hetero_step_errors():
     mesh = sk.make_mesh({"data": 8})
     model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, "dp", seed=0)
     with pytest.raises(sk.ShardkitError, match="one micro-batch count per device"):
-        sk.make_train_step(model, optax.sgd(0.1), mesh, sk.hetero.strategy([1, 2, 3]))
-    step = sk.make_train_step(model, optax.sgd(0.1), mesh, sk.hetero.strategy([1] * 8, microbatch=2))
+        sk.make_train_step(model, optax.sgd(0.1), mesh, sk.hetero.make_strategy([1, 2, 3]))
+    step = sk.make_train_step(model, optax.sgd(0.1), mesh, sk.hetero.make_strategy([1] * 8, microbatch=2))
     with pytest.raises(sk.ShardkitError, match="need exactly 16"):
         step(step.init_state(), make_batch(8, 16, CFG.vocab_size))
     # a training batch is checked as one whatever microbatches says; only `evaluation=True` takes the even split

@@ -1,4 +1,4 @@
-"""hetero_dp with model state (shardkit/parallel/hetero_step.py, shardkit/batch_layers.py): the ResNet's BatchNorm
+"""hetero_dp with model state (shardkit/parallel/hetero/step.py, shardkit/batch_layers.py): the ResNet's BatchNorm
 and dropout under uneven per-device micro-batch counts.
 
 - Global statistics (the default `norm` kernel): each device runs its micro-batch slots as the lanes of one vmap,
@@ -64,7 +64,7 @@ def one_device() -> dict:
 
 def test_hetero_resnet_equals_one_device_and_even_dp(one_device):
     mesh = sk.make_mesh({"data": 8})
-    hetero = _run(mesh, sk.hetero.strategy(COUNTS, microbatch=MB))
+    hetero = _run(mesh, sk.hetero.make_strategy(COUNTS, microbatch=MB))
     assert _gap(hetero, one_device) <= RTOL
     assert _gap(hetero, _run(mesh, "dp")) <= RTOL
     assert not np.allclose(hetero["stats"]["stem_norm"]["mean"], 0)  # the running statistics did move
@@ -73,7 +73,7 @@ def test_hetero_resnet_equals_one_device_and_even_dp(one_device):
 def test_per_microbatch_statistics_equal_one_device_with_as_many_groups():
     groups = sk.strategy("dp").replace(kernels={"norm": f"group:{sum(COUNTS)}"})
     want = _run(sk.make_mesh("data=1", jax.devices()[:1]), groups, steps=2)
-    per_mb = sk.hetero.strategy(COUNTS, microbatch=MB).replace(kernels={"norm": "group"})
+    per_mb = sk.hetero.make_strategy(COUNTS, microbatch=MB).replace(kernels={"norm": "group"})
     got = _run(sk.make_mesh({"data": 8}), per_mb, steps=2)
     assert _gap(got, want) <= RTOL
 
@@ -103,7 +103,7 @@ class _Cache(nnx.Variable):
 
 
 def test_model_state_it_cannot_carry_is_named():
-    mesh, strategy = sk.make_mesh({"data": 8}), sk.hetero.strategy([1] * 8)
+    mesh, strategy = sk.make_mesh({"data": 8}), sk.hetero.make_strategy([1] * 8)
     make = lambda model: sk.make_train_step(model, optax.sgd(0.1), mesh, strategy, loss_fn=lambda m, b: 0.0)
     with nnx.use_eager_sharding(False):
         with pytest.raises(sk.ShardkitError, match=r"bn is Flax's nnx.BatchNorm.*sk.layers.BatchNorm"):

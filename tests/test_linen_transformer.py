@@ -58,7 +58,7 @@ PATH_RULES = [
 
 def loss(model, batch):
     logits = model(batch["tokens"][:, :-1])
-    return sk.train.cross_entropy(logits, batch["tokens"][:, 1:])
+    return sk.cross_entropy(logits, batch["tokens"][:, 1:])
 
 
 def tokens():

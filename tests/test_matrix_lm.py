@@ -8,7 +8,7 @@ here (n·u ~ 2e-5 in the worst case), not amplified by SGD (no division by gradi
 each loss and on every parameter relative to its array's scale (tests/test_parity.py's fp32 bound); observed
 <= 4.6e-7 (GPT 4.6e-7, MoE 3.5e-7, guide 3.1e-7). A sharding bug (a missing or doubled reduction, a wrong
 layout) is >= 1e-3: the MoE GPT with capacity drops under cp_zigzag was 4e-3 off (other tokens dropped; now
-refused, shardkit/parallel/moe.py). No cell needs float64.
+refused, shardkit/parallel/moe/routing.py). No cell needs float64.
 """
 
 import matrix as mx

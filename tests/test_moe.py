@@ -1,4 +1,4 @@
-"""Mixture of experts (shardkit/parallel/moe.py, the GPT's MoE blocks): routing against a per-token loop, capacity
+"""Mixture of experts (shardkit/parallel/moe/, the GPT's MoE blocks): routing against a per-token loop, capacity
 and dropping by hand, expert parallelism (2 all-to-alls per layer each way) against one device.
 
 The dropless `ragged` kernel (tokens sorted by expert, `sk.moe.grouped_dot`) against a dense reference (every

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (shardkit/parallel/pipeline.py): schedule tables, training parity, bad input, gradient
+"""Pipeline parallelism (shardkit/parallel/pipeline/stack.py): schedule tables, training parity, bad input, gradient
 reduction structure, memory.
 
 Parity runs in float64 (jax.enable_x64 and float64 model dtypes; shardkit's dense kernel then computes in float64

@@ -2,9 +2,9 @@
 for this host's backend: the same train step compiled for this session's 8 CPU devices and for a v5e-8 TPU target
 (compile-only devices, libtpu's compiler, no TPU) gets each platform's own choice.
 
-- ring attention's default chunk (shardkit/attention/chunking.py): 128 on CPU, 512 on TPU, read from what the
+- ring attention's default chunk (shardkit/parallel/context/chunking.py): 128 on CPU, 512 on TPU, read from what the
   kernel resolves and from the compiled program's [.., chunk, chunk] score tiles;
-- the MoE grouped matmul (`moe=ragged`, shardkit/parallel/moe_ragged.py): "tiled" on CPU, `ragged_dot` on TPU,
+- the MoE grouped matmul (`moe=ragged`, shardkit/parallel/moe/ragged.py): "tiled" on CPU, `ragged_dot` on TPU,
   whose TPU lowering shows as `ragged-dot` custom calls;
 - attention=cudnn is refused on a TPU target naming the mesh's platform, 'tpu', not the host's 'cpu';
 - inside a `shard_map` body, on an abstract mesh (a pipeline stage's), and for a step's up-front kernel check
@@ -29,8 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 from models.gpt import GPT, GPTConfig
-from shardkit.attention import ring
-from shardkit.parallel import moe_ragged
+from shardkit.parallel.context import ring
+from shardkit.parallel.moe import ragged as moe_ragged
 from shardkit.rules import compile_devices, compiling_for, platform_family, use_rules
 
 ROOT = Path(__file__).resolve().parent.parent

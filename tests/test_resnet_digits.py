@@ -134,7 +134,7 @@ def test_stacked_blocks_scan_equals_the_blocks_one_by_one(digits: images.ImageDa
         def loss(params: nnx.State, rest: nnx.State) -> tuple:
             m = nnx.merge(graphdef, params, rest, copy=True)  # fresh variables of this trace
             logits = forward(m, batch["image"])
-            return sk.train.cross_entropy(logits, batch["label"]), (logits, nnx.state(m, nnx.BatchStat))
+            return sk.cross_entropy(logits, batch["label"]), (logits, nnx.state(m, nnx.BatchStat))
 
         (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, rest)
         return jax.tree.map(np.asarray, (logits, nnx.to_pure_dict(grads), nnx.to_pure_dict(stats)))

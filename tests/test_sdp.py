@@ -1,4 +1,4 @@
-"""Subnetwork data parallelism (shardkit/parallel/sdp.py) against a one-device reference written here.
+"""Subnetwork data parallelism (shardkit/parallel/sdp/subnetworks.py) against a one-device reference written here.
 
 The reference runs, for every worker w, the subnetwork w holds (forward masking: its blocks, or its unit groups,
 taken by plain indexing; backward masking: the full network) on w's rows of the batch, then averages every
@@ -126,7 +126,7 @@ def _run(strategy, steps=2, tx=None, cfg=CFG):
     ids=["block-fwd-ring", "block-fwd-psum", "block-bwd", "neuron-fwd", "block-fwd-random"],
 )
 def test_step_equals_per_worker_reference(kw):
-    strategy = sk.sdp.strategy(**kw)
+    strategy = sk.sdp.make_strategy(**kw)
     model, step, states, batch, _ = _run(strategy)
     table = next(iter(step.tables.values()))
     lr = 0.5
@@ -138,7 +138,7 @@ def test_step_equals_per_worker_reference(kw):
 
 
 def test_holders_stay_bit_identical_and_full_coverage_is_dp():
-    _, step, states, batch, _ = _run(sk.sdp.strategy(coverage=0.5), steps=3, tx=optax.adamw(1e-2))
+    _, step, states, batch, _ = _run(sk.sdp.make_strategy(coverage=0.5), steps=3, tx=optax.adamw(1e-2))
     table, where = step.tables[8], step.slots[8]
     for leaf in jax.tree.leaves(states[-1][1]["blocks"]):
         x = np.asarray(leaf)
@@ -154,7 +154,7 @@ def test_holders_stay_bit_identical_and_full_coverage_is_dp():
     # amplifies it at most lr / eps = 1e6 per step (tests/test_parity.py's bound): asserted 1e-6 of the scale
     cfg64 = GPTConfig(**{**CFG.__dict__, "dtype": "float64", "param_dtype": "float64"})
     with jax.enable_x64(True):
-        _, _, fstates, _, _ = _run(sk.sdp.strategy(coverage=1.0), steps=2, tx=optax.adamw(1e-2), cfg=cfg64)
+        _, _, fstates, _, _ = _run(sk.sdp.make_strategy(coverage=1.0), steps=2, tx=optax.adamw(1e-2), cfg=cfg64)
         mesh = _mesh()
         dp = sk.make_train_step(_gpt(mesh, "dp", cfg64), optax.adamw(1e-2), mesh, "dp")
         state = dp.init_state()
@@ -172,8 +172,8 @@ def test_memory_is_coverage_of_dp_and_collectives_match_the_formula():
     mesh = _mesh()
     batch = make_batch(16, 16, CFG.vocab_size)
     out = {}
-    strategies = {"dp": "dp", "sdp": sk.sdp.strategy(coverage=0.5),
-                  "q": sk.sdp.strategy(coverage=0.25, ownership="random")}  # fmt: skip
+    strategies = {"dp": "dp", "sdp": sk.sdp.make_strategy(coverage=0.5),
+                  "q": sk.sdp.make_strategy(coverage=0.25, ownership="random")}  # fmt: skip
     for name, strategy in strategies.items():
         model = _gpt(mesh, strategy)
         step = sk.make_train_step(model, optax.adamw(1e-3), mesh, strategy)
@@ -199,7 +199,7 @@ def test_memory_is_coverage_of_dp_and_collectives_match_the_formula():
     assert 0 <= colls["all-reduce"].result_bytes - 4 * counts["all_reduce_elements"] <= 4 * 8
     assert colls["all-reduce"].count == 1 and set(colls) == {"collective-permute", "all-reduce"}
     # sk.explain predicts the same by formula (the compiled all-reduce also carries the grad norm's few scalars)
-    report = sk.explain(sdp[0], sdp[0].init_state(_gpt(mesh, sk.sdp.strategy(coverage=0.5))), batch)
+    report = sk.explain(sdp[0], sdp[0].init_state(_gpt(mesh, sk.sdp.make_strategy(coverage=0.5))), batch)
     for (kind, axis), (n, b) in report.predicted_comms.items():
         got = [c for c in report.collectives if c.kind == kind and c.axes == (axis,) and c.result_bytes > 64]
         assert len(got) == 1 and got[0].count == n and got[0].bytes_sent == pytest.approx(b, rel=0.02), kind
@@ -230,10 +230,10 @@ def test_ownership_tables_and_their_errors():
     with pytest.raises(sk.ShardkitError, match="share no block"):
         sk.sdp.check_ownership(np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]], bool))
     with pytest.raises(sk.ShardkitError, match="masking"):
-        sk.sdp.strategy(masking="sideways")
+        sk.sdp.make_strategy(masking="sideways")
     model = sk.abstract_model(lambda rngs: GPT(CFG, rngs=rngs))
     with pytest.raises(sk.ShardkitError, match="does not split"):
-        sk.make_train_step(model, optax.sgd(0.1), _mesh(), sk.sdp.strategy(granularity="neuron", groups=5))
+        sk.make_train_step(model, optax.sgd(0.1), _mesh(), sk.sdp.make_strategy(granularity="neuron", groups=5))
 
 
 def test_resnet_stacked_blocks_with_batchnorm_equal_the_reference():
@@ -244,8 +244,8 @@ def test_resnet_stacked_blocks_with_batchnorm_equal_the_reference():
 
     cfg = ResNetConfig(widths=(8,), blocks=(5,), dropout=0.0)
     mesh = _mesh()
-    model = sk.sharded_init(lambda rngs: ResNet(cfg, rngs=rngs), mesh, sk.sdp.strategy())
-    step = sk.make_train_step(model, optax.sgd(0.1), mesh, sk.sdp.strategy(), loss_fn=classification_loss,
+    model = sk.sharded_init(lambda rngs: ResNet(cfg, rngs=rngs), mesh, sk.sdp.make_strategy())
+    step = sk.make_train_step(model, optax.sgd(0.1), mesh, sk.sdp.make_strategy(), loss_fn=classification_loss,
                               batch_axes=BATCH_AXES)  # fmt: skip
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(32, 8, 8, 1)).astype(np.float32), "label": rng.integers(0, 10, 32)}
@@ -317,7 +317,7 @@ def test_a_model_initialised_on_one_device_is_placed_on_the_mesh():
     model = _gpt(sk.make_mesh("data=1", jax.devices()[:1]), "dp")
     batch = make_batch(16, 16, CFG.vocab_size)
     losses = {}
-    for name, strategy in {"dp": "dp", "sdp": sk.sdp.strategy(coverage=1.0)}.items():
+    for name, strategy in {"dp": "dp", "sdp": sk.sdp.make_strategy(coverage=1.0)}.items():
         step = sk.make_train_step(model, optax.sgd(0.5), _mesh(), strategy)
         losses[name] = float(step(step.init_state(), batch)[1]["loss"])
     assert losses["sdp"] == pytest.approx(losses["dp"], rel=1e-5)  # fp32 reduction order (tests/test_parity.py)

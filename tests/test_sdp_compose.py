@@ -1,4 +1,4 @@
-"""SDP composed with fsdp and tensor inside each worker, and with microbatches (shardkit/parallel/sdp_compose.py).
+"""SDP composed with fsdp and tensor inside each worker, and with microbatches (shardkit/parallel/sdp/compose.py).
 
 Each composed step is checked against test_sdp.py's one-device per-worker reference (fsdp and tensor change where
 each worker's sums run, not what they are: the reference is SDP on `data` alone), its compiled per-device argument
@@ -22,7 +22,7 @@ from test_sdp import _reference, _scale_close
 import shardkit as sk
 from models import gpt_cost
 from models.gpt import GPT, GPTConfig
-from shardkit.parallel.sdp_compose import state_bytes
+from shardkit.parallel.sdp.compose import state_bytes
 
 # 4 blocks on 4 workers at coverage 1/2: each worker 2 blocks, each block 2 holders (a ring); kv_heads 2 so that
 # Megatron splits every head dimension over tensor=2
@@ -33,7 +33,7 @@ LR, MOMENTUM = 0.5, 0.9
 
 def _train(mesh_spec, microbatches, steps=2):
     mesh = sk.make_mesh(mesh_spec)
-    strategy = sk.sdp.strategy(coverage=0.5)
+    strategy = sk.sdp.make_strategy(coverage=0.5)
     model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy, seed=0)
     step = sk.make_train_step(model, optax.sgd(LR, momentum=MOMENTUM), mesh, strategy, microbatches=microbatches)
     state = step.init_state()
@@ -95,13 +95,13 @@ def test_composition_refusals():
     model = sk.abstract_model(lambda rngs: GPT(dataclasses.replace(CFG, num_layers=8), rngs=rngs))
     tx = optax.sgd(0.1)
     with pytest.raises(sk.ShardkitError, match="'stage'"):
-        sk.make_train_step(model, tx, sk.make_mesh("data=4,stage=2"), sk.sdp.strategy())
+        sk.make_train_step(model, tx, sk.make_mesh("data=4,stage=2"), sk.sdp.make_strategy())
     with pytest.raises(sk.ShardkitError, match=r"neuron.*tensor=2"):
-        sk.make_train_step(model, tx, sk.make_mesh("data=4,tensor=2"), sk.sdp.strategy(granularity="neuron"))
+        sk.make_train_step(model, tx, sk.make_mesh("data=4,tensor=2"), sk.sdp.make_strategy(granularity="neuron"))
     with pytest.raises(sk.ShardkitError, match=r"fsdp or tensor, not both"):  # XLA aborts the process on it
-        sk.make_train_step(model, tx, sk.make_mesh("data=2,fsdp=2,tensor=2"), sk.sdp.strategy(coverage=1.0))
+        sk.make_train_step(model, tx, sk.make_mesh("data=2,fsdp=2,tensor=2"), sk.sdp.make_strategy(coverage=1.0))
     with pytest.raises(sk.ShardkitError, match=r"backward.*forward"):
-        sk.make_train_step(model, tx, sk.make_mesh("data=4,fsdp=2"), sk.sdp.strategy(masking="backward"))
+        sk.make_train_step(model, tx, sk.make_mesh("data=4,fsdp=2"), sk.sdp.make_strategy(masking="backward"))
 
 
 def test_plan_ranks_sdp_candidates_with_their_memory_and_traffic():
@@ -111,7 +111,7 @@ def test_plan_ranks_sdp_candidates_with_their_memory_and_traffic():
 
     big = dataclasses.replace(CFG, num_layers=16, d_model=1024, num_heads=16, num_kv_heads=16, head_dim=64,
                               mlp_dim=4096, vocab_size=32000, max_seq_len=1024)  # fmt: skip
-    strategies = ("fsdp", "sdp", sk.sdp.strategy(coverage=0.25))
+    strategies = ("fsdp", "sdp", sk.sdp.make_strategy(coverage=0.25))
     plans = cm.plan(big, 64, "perlmutter", 64, 1024, strategies=strategies, include_rejected=True)
     assert {p.strategy for p in plans} == {"fsdp", "sdp", "sdp@0.25"}
     by = {(p.strategy, p.grid): p for p in plans}

@@ -1,4 +1,4 @@
-"""Spatial parallelism for 3D CNNs (shardkit/parallel/spatial.py, the conv / pool slots, models/cosmoflow.py,
+"""Spatial parallelism for 3D CNNs (shardkit/parallel/spatial/exchange.py, the conv / pool slots, models/cosmoflow.py,
 models/unet3d.py): halo kernels equal the one-device ops, compile to the predicted permutes, and training on
 8 devices under the GSPMD and the explicit implementation equals one device.
 

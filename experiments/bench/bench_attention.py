@@ -6,7 +6,7 @@
 
 Causal attention, fwd + bwd (the vjp of the output w.r.t. q, k, v), fp32, batch 1, 8 heads of 32 (MHA, so the
 peer kernel, which has no GQA, runs the same problem), each kernel at its default chunk (`chunk=None`: chosen per
-backend, shardkit/attention/chunking.py; 128 on CPU). Kernels: ring attention in the three layouts and Ulysses on
+backend, shardkit/parallel/context/chunking.py; 128 on CPU). Kernels: ring attention in the three layouts and Ulysses on
 mesh seq=8, USP on seq_u=2 x seq_r=4 (zigzag). One process; all figures are ratios measured here.
 
 1. memory: per-device bytes of the compiled fwd+bwd program (`memory_analysis()`: arguments + outputs +
@@ -60,8 +60,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import shardkit as sk
 from experiments.bench.bench_mfu import host_peak
 from experiments.bench.timing import RESULTS, save_json, time_calls, time_interleaved
-from shardkit.attention.chunking import default_chunk
-from shardkit.attention.layouts import layout_perm
+from shardkit.parallel.context.chunking import default_chunk
+from shardkit.parallel.context.layouts import layout_perm
 
 B, H, D, N = 1, 8, 32, 8
 CHUNK = None  # every kernel at its default chunk (chosen per backend and block: chunking.py)

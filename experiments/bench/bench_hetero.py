@@ -1,4 +1,4 @@
-"""Heterogeneous devices (Whale, Jia et al. ATC'22; shardkit/parallel/hetero.py): work saved and simulated speed-ups.
+"""Heterogeneous devices (Whale, Jia et al. ATC'22; shardkit/parallel/hetero/): work saved and simulated speed-ups.
 
     python -m experiments.bench.bench_hetero [--steps 20] [--out experiments/bench/results/bench_hetero.json]
 
@@ -46,8 +46,8 @@ COUNTS, MICRO = [6, 6, 4, 4, 2, 2, 4, 4], 2  # 32 micro-batches of 2 sequences (
 def measured(steps: int) -> list[dict]:
     mesh = sk.make_mesh({"data": 8})
     batch = gpt_batch(CFG.vocab_size, sum(COUNTS) * MICRO, 64)  # host arrays: each step places them
-    runs = {"dp (even)": "dp", "trip counts": sk.hetero.strategy(COUNTS, MICRO, mode="loop"),
-            "pad + mask": sk.hetero.strategy(COUNTS, MICRO, mode="pad")}  # fmt: skip
+    runs = {"dp (even)": "dp", "trip counts": sk.hetero.make_strategy(COUNTS, MICRO, mode="loop"),
+            "pad + mask": sk.hetero.make_strategy(COUNTS, MICRO, mode="pad")}  # fmt: skip
     out = []
     for name, strategy in runs.items():
         model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy, seed=0)

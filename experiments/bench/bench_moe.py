@@ -1,4 +1,4 @@
-"""Mixture of experts (shardkit/parallel/moe.py): expert-parallel formulations, memory, dropping, and the loss.
+"""Mixture of experts (shardkit/parallel/moe/routing.py): expert-parallel formulations, memory, dropping, and the loss.
 
     python -m experiments.bench.bench_moe [--steps 150] [--out experiments/bench/results/bench_moe.json]
     python -m experiments.bench.bench_moe --dispatch-only   # part 5 only, into the existing --out file

@@ -1,4 +1,4 @@
-"""Subnetwork Data Parallelism (Singh et al., arXiv 2507.09029; shardkit/parallel/sdp.py) against dp and fsdp.
+"""Subnetwork Data Parallelism (Singh et al., arXiv 2507.09029; shardkit/parallel/sdp/) against dp and fsdp.
 
     python -m experiments.bench.bench_sdp [--steps N] [--resnet_steps N] [--flop_cap 4] [--out ...json] [--quick]
 
@@ -66,7 +66,7 @@ GPT_CFG = GPTConfig(num_layers=8, d_model=64, num_heads=4, num_kv_heads=2, head_
                     vocab_size=text.PADDED_VOCAB, max_seq_len=64)  # fmt: skip
 RESNET_CFG = ResNetConfig(widths=(16, 32), blocks=(9, 9), num_classes=10, in_channels=1, dropout=0.0)
 SEQ, GPT_BATCH, RESNET_BATCH, GPT_VAL_WINDOWS = 64, 32, 64, 256
-#: (run name, sk.sdp.strategy kwargs; None: the named strategy) in table order.
+#: (run name, sk.sdp.make_strategy kwargs; None: the named strategy) in table order.
 VARIANTS: list[tuple[str, dict | None]] = [("dp", None), ("fsdp", None)] + [
     (f"sdp-block-{m[:3]}-{c:g}", dict(granularity="block", masking=m, coverage=c))
     for m in ("forward", "backward")
@@ -107,15 +107,15 @@ def tree_bytes(tree: Any) -> int:
 def build(task: Task, name: str, kw: dict | None) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(mesh, step, state, evaluators): "val" evaluates the full network; "sub", under forward masking, the
     subnetworks (SDP's default `eval`), by a second step on the same state layout built with eval="full"."""
-    strategy = sk.sdp.strategy(**kw) if kw else name
+    strategy = sk.sdp.make_strategy(**kw) if kw else name
     mesh = sk.make_mesh({"data": 8} if name != "fsdp" else sk.strategy("fsdp").default_mesh(8))
     model = sk.sharded_init(task.build, mesh, strategy, seed=0)
-    tx = optax.chain(sk.train.clip_by_global_norm(1.0), optax.adamw(task.lr))
+    tx = optax.chain(sk.clip_by_global_norm(1.0), optax.adamw(task.lr))
     make = lambda s: sk.make_train_step(model, tx, mesh, s, loss_fn=task.loss_fn, batch_axes=task.batch_axes)
     step = make(strategy)
     evals = {"val": step}
     if kw and kw["masking"] == "forward":
-        evals = {"val": make(sk.sdp.strategy(**kw, eval="full")), "sub": step}
+        evals = {"val": make(sk.sdp.make_strategy(**kw, eval="full")), "sub": step}
     return mesh, step, step.init_state(), evals
 
 

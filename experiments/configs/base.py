@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
     #                 "conv=halo,pool=halo", "attention=ring:zigzag" (shardkit/kernels.py; listed when one is unknown)
     c.offload = ""  # "", "opt_state", "params", "opt_state,params": rests in host memory between steps, brought to
     #                 the devices by the step (ZeRO-Offload; GSPMD strategies; shardkit/offload.py, docs/memory.md)
-    c.sdp = ml_collections.ConfigDict()  # strategy=sdp only: subnetwork data parallelism (shardkit/parallel/sdp.py)
+    c.sdp = ml_collections.ConfigDict()  # strategy=sdp only: subnetwork data parallelism (shardkit/parallel/sdp/)
     # (its workers are the `data` coordinates; fsdp / tensor in the mesh split each worker: --config.mesh=data=4,fsdp=2)
     c.sdp.granularity = "block"  # block (whole layers of a stack) | neuron (groups of hidden units, `units`)
     c.sdp.coverage = 0.5  # fraction of the blocks (or unit groups) each worker holds; a multiple of 1/blocks

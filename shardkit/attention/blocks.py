@@ -40,6 +40,8 @@ from shardkit import kernels
 from shardkit.attention.checks import CHECK_VMA, match_kv_heads, spec_entry
 from shardkit.errors import ShardkitError
 from shardkit.rules import platform_family
+from shardkit.strategies import BoundStrategy, Strategy
+from shardkit.strategies import strategy as get_strategy
 
 BLOCK_KERNELS = ("auto", "xla", "splash", "flash", "pallas_gpu", "cudnn")
 #: the kernels that return a block's log-sum-exp (a ring can merge their blocks)
@@ -153,15 +155,13 @@ def inside_shard_map() -> bool:
     return any(t == jax.sharding.AxisType.Manual for t in axis_types)
 
 
-def planned(strategy: Any, mesh: Any, seq_len: int, platform: str) -> str:
+def planned(strategy: str | Strategy | BoundStrategy, mesh: Any, seq_len: int, platform: str) -> str:
     """The block kernel `strategy`'s attention runs on `platform` devices for sequences of `seq_len` tokens on a mesh
     of shape `mesh` ({axis: size}), resolved as the kernels resolve it when traced: what `explain` names and the
     cost models assume (packed documents and the inputs' dtype aside: they change only cudnn's choice on GPUs)."""
-    from shardkit.strategies import strategy as get_strategy
-
-    st = get_strategy(strategy)
+    st = get_strategy(strategy)  # a Strategy or BoundStrategy as it is (a name is looked up)
     name, attention = st.kernels.get("attention_block", "auto"), st.kernels.get("attention", "dense")
-    if st.kernels.get("layers", "scan") != "scan" or st.traits().step != "gspmd":
+    if st.kernels.get("layers", "scan") != "scan" or st.step != "gspmd":
         return "xla" if name == "auto" else name  # the layers run inside a shard_map (`inside_shard_map`)
     ring, lengths, strict = False, (seq_len,), False
     kind, _, option = attention.partition(":")

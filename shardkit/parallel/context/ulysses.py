@@ -22,10 +22,10 @@ from jax.sharding import Mesh, PartitionSpec
 from shardkit import kernels
 from shardkit.attention import blocks
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
-from shardkit.attention.chunking import chunk_option, resolve_chunk
 from shardkit.attention.dense import register_attention
-from shardkit.attention.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, ring_block, ring_local
 from shardkit.errors import ShardkitError
+from shardkit.parallel.context.chunking import chunk_option, resolve_chunk
+from shardkit.parallel.context.ring import CHECK_VMA, DEFAULT_CHUNK, RingConfig, ring_block, ring_local
 from shardkit.rules import ShardingContext, platform_family
 
 

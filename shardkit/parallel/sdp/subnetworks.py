@@ -4,7 +4,7 @@ Every worker (a coordinate of the `data` mesh axis: a device, or its fsdp / tens
 subnetwork on its own batch shard, and each parameter is averaged every step over exactly the workers that hold
 it (HeteroFL's `combine`). No activation crosses workers.
 
-    strategy = sk.sdp.strategy(granularity="block", coverage=0.5, masking="forward", ownership="cyclic")
+    strategy = sk.sdp.make_strategy(granularity="block", coverage=0.5, masking="forward", ownership="cyclic")
     step = sk.make_train_step(model, tx, sk.make_mesh({"data": 8}), strategy)
     owners = sk.sdp.ownership(num_blocks=8, workers=8, coverage=0.5)   # bool [workers, blocks]
 
@@ -51,8 +51,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardkit.deprecation import renamed
 from shardkit.errors import ShardkitError
 from shardkit.strategies import register_strategy
+from shardkit.strategies import strategy as named
 
 GRANULARITIES = ("block", "neuron")
 MASKINGS = ("forward", "backward")
@@ -63,7 +65,7 @@ EVALS = ("subnetworks", "full")
 
 @dataclasses.dataclass(frozen=True)
 class SDPConfig:
-    """What `sk.sdp.strategy` builds a strategy from (validated on construction)."""
+    """What `sk.sdp.make_strategy` builds a strategy from (validated on construction)."""
 
     granularity: str = "block"
     coverage: float = 0.5  # fraction of the blocks (or of each layer's unit groups) every worker holds
@@ -95,7 +97,7 @@ class SDPConfig:
             object.__setattr__(self, "units", "layers" if self.granularity == "block" else "mlp")
 
 
-def strategy(
+def make_strategy(
     granularity: str = "block", coverage: float = 0.5, masking: str = "forward", ownership: str = "cyclic",
     seed: int = 0, *, axis: str = "data", units: str = "", groups: int = 0, reduce: str = "auto",
     eval: str = "subnetworks",
@@ -103,10 +105,9 @@ def strategy(
     """The `sdp` strategy: data parallelism's rules tables plus the subnetwork configuration (`Strategy.options`,
     run by the `sdp` step: sdp_step.py).
 
-    `sk.make_train_step(model, tx, mesh, sk.sdp.strategy(...))` builds the SDP step (shardkit/parallel/sdp_step.py);
+    `sk.make_train_step(model, tx, mesh, sk.sdp.make_strategy(...))` builds the SDP step (step.py beside this file);
     `sk.strategy("sdp")` is this with its defaults (block, coverage 1/2, forward, cyclic)."""
     from shardkit.strategies import DATA_FSDP, FSDP_RULES, TENSOR_RULES, table
-    from shardkit.strategies import strategy as named
 
     cfg = SDPConfig(granularity, float(coverage), masking, ownership, int(seed), axis, units, int(groups), reduce,
                     eval)  # fmt: skip
@@ -386,11 +387,15 @@ def unpack(buf: jax.Array, meta: list[tuple[tuple[int, ...], Any]]) -> list[jax.
     return out
 
 
+#: the name `make_strategy` had until it was named as a builder (it returns a new Strategy)
+strategy = renamed(make_strategy, "sk.sdp.strategy", "sk.sdp.make_strategy")
+
 __all__ = [
     "Ring",
     "SDPConfig",
     "Split",
     "check_ownership",
+    "make_strategy",
     "masked_average",
     "ownership",
     "psum_average",
@@ -401,4 +406,4 @@ __all__ = [
 ]
 
 
-register_strategy(strategy())
+register_strategy(make_strategy())

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from shardkit.init import split_params
-from shardkit.parallel.sdp import ring_of
-from shardkit.parallel.sdp_compose import state_bytes
+from shardkit.parallel.sdp.compose import state_bytes
+from shardkit.parallel.sdp.subnetworks import ring_of
 from shardkit.step import TrainState
 
 

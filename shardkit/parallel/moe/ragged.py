@@ -3,7 +3,7 @@ al., MLSys 2023, arXiv 2211.15841).
 
 The routed (token, choice) pairs are sorted by expert, each expert's MLP runs on its contiguous group through the
 model's `grouped_fn(params, xs, sizes)` (the GPT's calls `grouped_dot`), and the pairs are unsorted and combined
-with the gates: no capacity, no drop. `shardkit/parallel/moe.py` routes (`route(..., cap=None)`) and dispatches
+with the gates: no capacity, no drop. `shardkit/parallel/moe/routing.py` routes (`route(..., cap=None)`) and dispatches
 to this kernel through `apply`; under expert parallelism the pairs are exchanged in a fixed buffer (`_ragged`
 states the bound).
 """

@@ -15,7 +15,7 @@ import jax
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.parallel.spatial import _reduce_window, conv, plan_layer, pool, resolve_padding
+from shardkit.parallel.spatial.exchange import _reduce_window, conv, plan_layer, pool, resolve_padding
 from shardkit.strategies import Strategy, register_strategy, table
 
 
@@ -114,7 +114,7 @@ kernels.register("pool", "halo", halo_pool_kernel, description="explicit halo ex
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Spatial + data parallelism for 3D CNNs (Oyama et al. 2007.12856; shardkit/parallel/spatial.py): each sample's
+# Spatial + data parallelism for 3D CNNs (Oyama et al. 2007.12856; shardkit/parallel/spatial/exchange.py): each sample's
 # depth / height / width over space / space_h / space_w (whichever the mesh has), the batch over data; weights
 # replicated, their gradients all-reduced over every axis. "xla": GSPMD partitions the convs and inserts the
 # halos; "halo": the explicit ppermute halo-exchange kernels fill the conv and pool slots.

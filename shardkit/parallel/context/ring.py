@@ -34,12 +34,12 @@ from shardkit import kernels
 from shardkit.attention import blocks
 from shardkit.attention.checks import CHECK_VMA as CHECK_VMA  # re-exported: ulysses, usp, tests
 from shardkit.attention.checks import check_axis, check_qkv, context_axes, match_kv_heads, spec_entry
-from shardkit.attention.chunking import chunk_option, resolve_chunk
-from shardkit.attention.chunking import chunk_size as chunk_size  # re-exported: bench_attention, older callers
 from shardkit.attention.dense import register_attention
-from shardkit.attention.layouts import LAYOUTS, block_positions, check_layout
-from shardkit.attention.ring_fused import fused_ring_local
-from shardkit.attention.ring_loop import RingConfig, lse_vjp, prepare, ring_loop
+from shardkit.parallel.context.chunking import chunk_option, resolve_chunk
+from shardkit.parallel.context.chunking import chunk_size as chunk_size  # re-exported: bench_attention, older callers
+from shardkit.parallel.context.layouts import LAYOUTS, block_positions, check_layout
+from shardkit.parallel.context.ring_fused import fused_ring_local
+from shardkit.parallel.context.ring_loop import RingConfig, lse_vjp, prepare, ring_loop
 from shardkit.rules import ShardingContext, platform_family
 
 #: `chunk=None` (the default): chosen per backend and block by `chunking.default_chunk` (128 on CPU, 512 on

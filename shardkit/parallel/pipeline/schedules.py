@@ -1,4 +1,4 @@
-"""Pipeline schedules as data and the `layers="pipeline:..."` kernel names (shardkit/parallel/pipeline.py runs them).
+"""Pipeline schedules as data and the `layers="pipeline:..."` kernel names (stack.py beside this file runs them).
 
 `schedule(p, m, v, kind)` is the [ticks, stages] table of a full step (GPipe: Huang et al. 2019, 1811.06965;
 1F1B / PipeDream-Flush: Narayanan et al. 2021, 2006.09503; circular: Narayanan et al. 2021, 2104.04473 §2.2) from

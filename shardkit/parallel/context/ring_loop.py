@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from shardkit.attention.layouts import block_positions
+from shardkit.parallel.context.layouts import block_positions
 
 
 @dataclasses.dataclass(frozen=True)

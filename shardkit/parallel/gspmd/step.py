@@ -20,14 +20,9 @@ from shardkit.accumulate import accumulate, split_microbatches
 from shardkit.batch import Batch
 from shardkit.clipping import clip_by_global_norm, global_norm, norm_weights
 from shardkit.dispatch import make_train_step, register_step
+from shardkit.losses import cross_entropy
 from shardkit.rules import pin
 from shardkit.step import TrainState, TrainStep
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy of integer labels in nats, in fp32 at least (fp64 under x64 stays fp64)."""
-    dtype = jnp.promote_types(logits.dtype, jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels).mean()
 
 
 @register_step("gspmd")

@@ -1,13 +1,13 @@
 """Subnetwork data parallelism's train step (the algorithm, ownership and holder averaging: sdp.py).
 
-`sk.make_train_step(model, tx, mesh, sk.sdp.strategy(...))` returns an `SDPTrainStep`: the same interface as any
+`sk.make_train_step(model, tx, mesh, sk.sdp.make_strategy(...))` returns an `SDPTrainStep`: the same interface as any
 TrainStep (`init_state`, `__call__`, `evaluate`, `abstract_state` for checkpoints, `lower` for `sk.explain`).
 One step is a `shard_map` over the workers' axis: each worker assembles its subnetwork from its slots, computes
 its loss and gradient on its batch shard, then the split gradients (and BatchNorm statistics) are averaged over
 their holders (`ring_average` / `psum_average`, all arrays of one ownership table packed into one buffer) and
 the shared ones, with the loss and metrics, in one all-reduce. The optimizer then runs on the layout outside the
 `shard_map`, elementwise on each device's shards; `clip_by_global_norm` counts each held block once
-(`sk.train.norm_weights`).
+(`shardkit.clipping.norm_weights`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ from shardkit.clipping import global_norm, norm_weights
 from shardkit.dispatch import register_step
 from shardkit.errors import ShardkitError
 from shardkit.init import is_key, split_params, state_logical_axes
-from shardkit.parallel.sdp import (
+from shardkit.parallel.sdp.compose import (
+    inner_axes,
+    inner_rules,
+    inner_tracing,
+    layout_shardings,
+    manual_spec,
+)
+from shardkit.parallel.sdp.costs import SDPCosts
+from shardkit.parallel.sdp.subnetworks import (
     SDPConfig,
     Split,
     find_splits,
@@ -40,15 +48,7 @@ from shardkit.parallel.sdp import (
     slots,
     unpack,
 )
-from shardkit.parallel.sdp import strategy as sdp_strategy
-from shardkit.parallel.sdp_compose import (
-    inner_axes,
-    inner_rules,
-    inner_tracing,
-    layout_shardings,
-    manual_spec,
-)
-from shardkit.parallel.sdp_costs import SDPCosts
+from shardkit.parallel.sdp.subnetworks import make_strategy as sdp_strategy
 from shardkit.step import TrainState, TrainStep, check_alive
 
 
@@ -72,11 +72,11 @@ class SDPTrainStep(SDPCosts, TrainStep):
 
     @classmethod
     def configure(cls, strategy: Any, options: Any, **context: Any) -> Any:
-        """`sk.sdp.strategy(**options)`: a run's `sdp` section (granularity, coverage, masking, ...)."""
+        """`sk.sdp.make_strategy(**options)`: a run's `sdp` section (granularity, coverage, masking, ...)."""
         return sdp_strategy(**options) if options else strategy
 
     def setup(self) -> None:
-        cfg = self.options_of(SDPConfig, "sk.sdp.strategy(...)")
+        cfg = self.options_of(SDPConfig, "sk.sdp.make_strategy(...)")
         self.cfg, axis, mesh, model = cfg, cfg.axis, self.mesh, self.source_model
         self.inner = inner_axes(mesh, cfg, self.microbatches)  # fsdp / tensor inside each worker (sdp_compose.py)
         self.inner_rules = inner_rules(self.bound.compute_rules, axis)

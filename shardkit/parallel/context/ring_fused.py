@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardkit.attention import blocks
-from shardkit.attention.ring_loop import lse_vjp, prepare, ring_loop
+from shardkit.parallel.context.ring_loop import lse_vjp, prepare, ring_loop
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The balanced data-parallel train step: device d runs counts[d] equal micro-batches (hetero.py has the split).
 
-    step = sk.make_train_step(model, tx, mesh, sk.hetero.strategy(counts=[3, 3, 2, 2, 1, 1, 2, 2], microbatch=4))
+    step = sk.make_train_step(model, tx, mesh, sk.hetero.make_strategy(counts=[3, 3, 2, 2, 1, 1, 2, 2], microbatch=4))
     state, metrics = step(state, batch)      # batch: sum(counts) * microbatch rows, device d's rows contiguous
 
 The batch's rows are laid out on the host as `[devices, max(counts), microbatch, ...]` (device d's rows are
@@ -35,14 +35,15 @@ from shardkit.batch_layers import BatchNorm, Dropout, local_batch
 from shardkit.clipping import global_norm
 from shardkit.dispatch import register_step
 from shardkit.errors import ShardkitError
-from shardkit.parallel.hetero import HeteroConfig, even_split, simulated_step_time, split_batch
-from shardkit.parallel.hetero import strategy as hetero_strategy
+from shardkit.parallel.hetero.uneven import HeteroConfig, even_split, simulated_step_time, split_batch
+from shardkit.parallel.hetero.uneven import make_strategy as hetero_strategy
 from shardkit.step import TrainState, TrainStep, check_alive, require_one_axis
 
 
 @register_step("hetero")
 class HeteroTrainStep(TrainStep):
-    """`make_train_step` for `sk.hetero.strategy(counts, microbatch)`: a TrainStep whose batch is split unevenly."""
+    """`make_train_step` for `sk.hetero.make_strategy(counts, microbatch)`: a TrainStep whose batch is split
+    unevenly."""
 
     @classmethod
     def configure(cls, strategy: Any, options: Any, *, devices: int, global_batch: int = 0, preset: Any = None,
@@ -76,7 +77,7 @@ class HeteroTrainStep(TrainStep):
         return hetero_strategy(counts, micro, mode=options.get("mode", "loop"), speeds=speeds)
 
     def setup(self) -> None:
-        cfg = self.options_of(HeteroConfig, "sk.hetero.strategy(counts, microbatch)")
+        cfg = self.options_of(HeteroConfig, "sk.hetero.make_strategy(counts, microbatch)")
         self.cfg, axis, mesh = cfg, cfg.axis, self.mesh
         require_one_axis(mesh, axis, "hetero_dp", self.microbatches)
         if len(cfg.counts) != mesh.shape[axis]:

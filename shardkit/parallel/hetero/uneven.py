@@ -15,7 +15,7 @@ device runs the same compiled program, with a different amount of work.
 - `simulated_step_time`: the slowest device's work / its speed; a plan's predicted time, not a measurement.
 
     counts = sk.hetero.split_batch(global_batch=40, speeds=[2, 2, 1.5, 1.5, 1, 1, .5, .5], caps=[9] * 8)
-    step = sk.make_train_step(model, tx, mesh, sk.hetero.strategy(counts, microbatch=4))
+    step = sk.make_train_step(model, tx, mesh, sk.hetero.make_strategy(counts, microbatch=4))
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from shardkit import costmodel
+from shardkit.deprecation import renamed
 from shardkit.errors import ShardkitError
 from shardkit.strategies import register_strategy
 from shardkit.strategies import strategy as named
@@ -293,7 +294,7 @@ class HeteroConfig:
         return sum(self.counts) * self.microbatch
 
 
-def strategy(
+def make_strategy(
     counts: Sequence[int] = (1,), microbatch: int = 1, *, axis: str = "data", mode: str = "loop",
     speeds: Sequence[float] = (),
 ) -> Any:  # fmt: skip
@@ -334,6 +335,9 @@ def plan_on_groups(p: Any, model_cfg: Any, hw: Any, batch: int, seq_len: int | N
     return dataclasses.replace(p, hetero=b, reason=(p.reason + "; " if p.reason else "") + note)
 
 
+#: the name `make_strategy` had until it was named as a builder (it returns a new Strategy)
+strategy = renamed(make_strategy, "sk.hetero.strategy", "sk.hetero.make_strategy")
+
 __all__ = [
     "Balance",
     "HeteroConfig",
@@ -341,6 +345,7 @@ __all__ = [
     "balance",
     "even_split",
     "hetero_stage_plan",
+    "make_strategy",
     "partition_stages",
     "plan_of",
     "plan_on_groups",
@@ -350,5 +355,5 @@ __all__ = [
     "strategy",
 ]
 
-register_strategy(strategy())
+register_strategy(make_strategy())
 costmodel.register_plan_hook(plan_on_groups)

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit import kernels
 from shardkit.errors import ShardkitError
-from shardkit.parallel.moe_ragged import RAGGED_PADDING, RAGGED_PATHS, TILE, GroupedFn, grouped_dot, params_experts
+from shardkit.parallel.moe.ragged import RAGGED_PADDING, RAGGED_PATHS, TILE, GroupedFn, grouped_dot, params_experts
 from shardkit.strategies import Strategy, register_strategy, strategy, table
 
 kernels.DEFAULTS.setdefault("moe", "einsum")

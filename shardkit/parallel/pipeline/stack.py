@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit.errors import ShardkitError
 from shardkit.layers import register_stack, scan_stack
-from shardkit.parallel.pipeline_schedule import (
+from shardkit.parallel.pipeline.schedules import (
     BWD,
     FWD,
     IDLE,

@@ -1,0 +1,53 @@
+"""Subnetwork data parallelism (Singh, Khalid, Cagnasso, Oyallon, Belilovsky, arXiv 2507.09029): each device trains
+a subnetwork; the holders of a block average it.
+
+    subnetworks   the algorithm: ownership of blocks, masks, the averages over holders, `make_strategy`
+    compose       SDP composed with FSDP / Megatron tensor parallelism inside each worker
+    costs         what an SDP step stores and sends per device (the CLI's header, explain's prediction)
+    step          its train step (registered as "sdp")
+
+`sk.sdp` is this package: `sk.sdp.make_strategy(...)`, `sk.sdp.ownership(...)`, `sk.sdp.SDPConfig`.
+"""
+
+from shardkit.parallel.sdp import step, subnetworks
+from shardkit.parallel.sdp.subnetworks import (
+    EVALS,
+    GRANULARITIES,
+    MASKINGS,
+    OWNERSHIPS,
+    REDUCTIONS,
+    Ring,
+    SDPConfig,
+    Split,
+    check_ownership,
+    make_strategy,
+    masked_average,
+    ownership,
+    psum_average,
+    ring_average,
+    ring_of,
+    slots,
+    strategy,
+)
+
+__all__ = [
+    "EVALS",
+    "GRANULARITIES",
+    "MASKINGS",
+    "OWNERSHIPS",
+    "REDUCTIONS",
+    "Ring",
+    "SDPConfig",
+    "Split",
+    "check_ownership",
+    "make_strategy",
+    "masked_average",
+    "ownership",
+    "psum_average",
+    "ring_average",
+    "ring_of",
+    "slots",
+    "step",
+    "strategy",
+    "subnetworks",
+]
