@@ -16,6 +16,9 @@ common construction below) and the methods whose layout differs from the GSPMD s
     class MyStep(sk.TrainStep):
         def step_fn(self, state, batch): ...            # (state, batch) -> (state, metrics), traced once
 
+This file is one idea at about 480 lines, the interface and the construction every step shares; the sharding
+tables it computes are step_layout.py's `StepLayout`.
+
 What every step promises:
 
 - `step(state, batch) -> (state, metrics)`: one training step; `metrics` has `loss`, `grad_norm` and the loss
@@ -47,13 +50,12 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from shardkit import batch as batching
 from shardkit import kernels, offload
@@ -63,26 +65,16 @@ from shardkit.init import (
     is_key,
     split_params,
     state_logical_axes,
-    state_shardings,
-    unnamed_parameters,
-    unnamed_splits,
     warn_idle_parameter_axes,
 )
 from shardkit.mesh import has_explicit_axes, step_mesh
 from shardkit.rules import compiling_for, flax_rules, logical_to_spec, use_rules
+from shardkit.step_layout import StepLayout, TrainState
 from shardkit.strategies import BoundStrategy, Strategy, bind
 from shardkit.strategies import strategy as get_strategy
 from shardkit.targets import cache_off_for, compile_only, require_runnable
 
 LossFn = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array  # int32 scalar
-    params: dict[str, Any]  # pure dict of the nnx.Param values, the structure of nnx.to_pure_dict
-    opt_state: Any
-    model_state: dict[str, Any] = flax.struct.field(default_factory=dict)  # BatchStat, RNG counters / key data
 
 
 def check_alive(tree: Any, what: str) -> None:
@@ -159,41 +151,21 @@ class TrainStep(abc.ABC):
         batch_axes = getattr(model, "batch_axes", None) if batch_axes is None else batch_axes
         self.batch_axes = ("batch",) if batch_axes is None else batch_axes
         self.graphdef, params, rest = split_params(model)
-        rules = self.bound.param_rules
-        strict = self.strategy.strict_names
-        paths = self.strategy.path_rules  # names by parameter path (Strategy.extend(path_rules=...)), first match
+        strict, paths = self.strategy.strict_names, self.strategy.path_rules
         self.param_names = state_logical_axes(params, strict=strict, path_rules=paths)  # each parameter's names
-        self.unnamed_params = unnamed_parameters(params, paths)  # (path, shape, bytes): listed by explain
         self._check_every_axis_shards_something(model, rest)
-        scopes = self.bound.scopes  # Whale-style per-module rules (Strategy.scopes)
-        floor = self.strategy.unnamed_min_bytes  # unnamed parameters: split over the ZeRO axes (init.unnamed_splits)
-        self.param_shardings = state_shardings(params, rules, mesh, scopes=scopes, strict=strict,
-                                               unnamed_min_bytes=floor, path_rules=paths)  # fmt: skip
-        self.update_shardings = state_shardings(params, self.bound.opt_rules, mesh, scopes=scopes, strict=strict,
-                                                unnamed_min_bytes=floor, path_rules=paths)  # fmt: skip
-        self.unnamed_splits = unnamed_splits(params, rules, mesh, floor, scopes, paths)  # explain lists them
-        self.model_state_shardings = state_shardings(rest, rules, mesh, require=False, scopes=scopes)
+        self.layout = StepLayout.of(params, rest, self.bound, optimizer, mesh, self.step_name)
         self.initial_model_state = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
         self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys
         abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         self.set_param_layout(abs_params)
-        warn_idle_parameter_axes(self.strategy.name, self.param_shardings, self.bound.param_rules, mesh, abs_params)
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.opt_shardings = optax.tree_utils.tree_map_params(
-            optimizer,
-            lambda _, s: s,
-            jax.eval_shape(optimizer.init, abs_params),
-            self.update_shardings,
-            transform_non_params=lambda _: self.replicated,
-        )
-        # what the strategy offloads rests in host memory between steps (shardkit/offload.py); the step's
-        # param_shardings / opt_shardings stay the device ones it computes in, state_shardings say where it rests
-        self.offload = offload.check(self.strategy.offload, mesh, self.step_name)
-        host = lambda part, shardings: offload.host_shardings(shardings) if part in self.offload else shardings
-        self.state_shardings = TrainState(
-            step=self.replicated, params=host("params", self.param_shardings),
-            opt_state=host("opt_state", self.opt_shardings), model_state=self.model_state_shardings,
-        )  # fmt: skip
+        warn_idle_parameter_axes(self.strategy.name, self.layout.params, self.bound.param_rules, mesh, abs_params)
+        # the tables under the names steps and explain read them by (a step with a layout of its own, SDP's,
+        # replaces opt_shardings / state_shardings)
+        lay = self.layout
+        self.unnamed_params, self.unnamed_splits, self.replicated = lay.unnamed, lay.unnamed_splits, lay.replicated
+        self.param_shardings, self.update_shardings, self.opt_shardings = lay.params, lay.updates, lay.opt_state
+        self.model_state_shardings, self.offload, self.state_shardings = lay.model_state, lay.offload, lay.state
         self.donate = donate
         self.compile_only = compile_only(mesh)  # a target's devices: lower / compile only (shardkit/targets.py)
         self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
