@@ -12,6 +12,7 @@ No module here names a parallelism: the steps register themselves next to their 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -20,10 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardkit import kernels
-from shardkit.batch import BatchAxes
 from shardkit.errors import ShardkitError
 from shardkit.presets import HardwarePreset
-from shardkit.step import LossFn, TrainStep
+from shardkit.step import TrainStep
 from shardkit.strategies import BoundStrategy, Strategy
 from shardkit.strategies import strategy as get_strategy
 
@@ -59,23 +59,28 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     strategy: str | Strategy | BoundStrategy,
-    *,
-    loss_fn: LossFn | None = None,
-    batch_axes: BatchAxes = None,
-    microbatches: int = 1,
-    donate: bool = True,
+    **options: Any,
 ) -> TrainStep:
     """A jitted train step for `model` under `strategy` on `mesh`: `step(state, batch) -> (state, metrics)`.
 
     The step class is the one the strategy names (`Strategy.step`; "gspmd" by default, shardkit/parallel/gspmd/),
-    built with exactly these arguments (`TrainStep.__init__` has this signature). `strategy`: a name, a Strategy, or
-    the run's BoundStrategy (resolved once and taken as it is).
-    `loss_fn(model, batch) -> (loss, metrics)`: default the model's own `loss` (a GPT's next-token loss);
-    `batch_axes`: the logical names of the batch's dimensions (default the model's, else ("batch",));
-    `microbatches`: gradient accumulation steps per call; `donate`: the state's buffers are reused in place."""
+    built with exactly these arguments: the signature is `TrainStep.__init__`'s, one signature for both (help()
+    and `inspect.signature` show its keywords). `strategy`: a name, a Strategy, or the run's BoundStrategy (resolved
+    once and taken as it is). `loss_fn(model, batch) -> (loss, metrics)`: default the model's own `loss` (a GPT's
+    next-token loss); `batch_axes`: the logical names of the batch's dimensions (default the model's, else
+    ("batch",)); `microbatches`: gradient accumulation steps per call; `donate`: the state's buffers are reused in
+    place."""
     cls = step_class(get_strategy(strategy).step)  # a Strategy or BoundStrategy is not looked up again
-    return cls(model, optimizer, mesh, strategy, loss_fn=loss_fn, batch_axes=batch_axes, microbatches=microbatches,
-               donate=donate)  # fmt: skip
+    return cls(model, optimizer, mesh, strategy, **options)
+
+
+def _signature_of_the_step() -> inspect.Signature:
+    """`TrainStep.__init__`'s signature without `self`, returning a TrainStep: `make_train_step`'s."""
+    sig = inspect.signature(TrainStep.__init__, eval_str=True)
+    return sig.replace(parameters=list(sig.parameters.values())[1:], return_annotation=TrainStep)
+
+
+make_train_step.__signature__ = _signature_of_the_step()  # type: ignore[attr-defined]
 
 
 def configure(

@@ -1,5 +1,8 @@
 """What a compiled train step really costs: collectives per mesh axis and memory per device, next to the model.
 
+One idea at about 430 lines: the report (read from the compiled program, set beside the prediction) and its
+text, JSON and plot; the reading is hlo.py's, the predictions the cost models'.
+
     report = sk.explain(step, state, batch)        # state / batch may be ShapeDtypeStructs: nothing is allocated
     print(report.text()); report.to_json(); report.plot("explain.png")
 

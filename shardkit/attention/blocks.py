@@ -1,5 +1,8 @@
 """The attention block kernel: what computes softmax(q kᵀ) v for one query block against one key block.
 
+One idea at a little over 400 lines: the choice of block kernel per platform family and the kernels it chooses
+between, which the ring, Ulysses, USP and dense attention all call.
+
 Every attention kernel of this package ends in the same work: a block of queries against a block of keys (the ring's
 [local block, travelling block] pairs, Ulysses' local heads over the whole sequence, dense attention). The slot
 `attention_block` (`--config.kernels=attention_block=<name>`) says which implementation does it:

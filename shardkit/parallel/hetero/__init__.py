@@ -7,38 +7,6 @@
 """
 
 from shardkit.parallel.hetero import step, uneven
-from shardkit.parallel.hetero.uneven import (
-    Balance,
-    HeteroConfig,
-    StagePlan,
-    balance,
-    even_split,
-    hetero_stage_plan,
-    make_strategy,
-    partition_stages,
-    plan_of,
-    plan_on_groups,
-    simulated_step_time,
-    split_batch,
-    stage_speeds,
-    strategy,
-)
+from shardkit.parallel.hetero.uneven import *  # noqa: F403  (its public names are this package's)
 
-__all__ = [
-    "Balance",
-    "HeteroConfig",
-    "StagePlan",
-    "balance",
-    "even_split",
-    "hetero_stage_plan",
-    "make_strategy",
-    "partition_stages",
-    "plan_of",
-    "plan_on_groups",
-    "simulated_step_time",
-    "split_batch",
-    "stage_speeds",
-    "step",
-    "strategy",
-    "uneven",
-]
+__all__ = [*uneven.__all__, "step", "uneven"]

@@ -8,31 +8,6 @@ MegaBlocks, Gale et al. 2211.15841).
 """
 
 from shardkit.parallel.moe import routing
-from shardkit.parallel.moe.routing import (
-    GROUPED,
-    RAGGED_PADDING,
-    RAGGED_PATHS,
-    TILE,
-    GroupedFn,
-    apply,
-    capacity,
-    grouped_dot,
-    is_grouped,
-    params_experts,
-    route,
-)
+from shardkit.parallel.moe.routing import *  # noqa: F403  (its public names are this package's)
 
-__all__ = [
-    "GROUPED",
-    "RAGGED_PADDING",
-    "RAGGED_PATHS",
-    "TILE",
-    "GroupedFn",
-    "apply",
-    "capacity",
-    "grouped_dot",
-    "is_grouped",
-    "params_experts",
-    "route",
-    "routing",
-]
+__all__ = [*routing.__all__, "routing"]

@@ -8,33 +8,6 @@ al. 2006.09503, 2104.04473; uneven stages, Whale 2011.09208).
 """
 
 from shardkit.parallel.pipeline import stack
-from shardkit.parallel.pipeline.stack import (
-    BWD,
-    FWD,
-    IDLE,
-    SCHEDULES,
-    Schedule,
-    bubble_formula,
-    configure_name,
-    parse,
-    parse_cut,
-    pipeline_stack,
-    schedule,
-    stage_cut,
-)
+from shardkit.parallel.pipeline.stack import *  # noqa: F403  (its public names are this package's)
 
-__all__ = [
-    "BWD",
-    "FWD",
-    "IDLE",
-    "SCHEDULES",
-    "Schedule",
-    "bubble_formula",
-    "configure_name",
-    "parse",
-    "parse_cut",
-    "pipeline_stack",
-    "schedule",
-    "stack",
-    "stage_cut",
-]
+__all__ = [*stack.__all__, "stack"]

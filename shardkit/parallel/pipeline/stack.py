@@ -329,6 +329,7 @@ __all__ = [
     "SCHEDULES",
     "Schedule",
     "bubble_formula",
+    "configure_name",
     "parse",
     "parse_cut",
     "pipeline_stack",

@@ -10,44 +10,6 @@ a subnetwork; the holders of a block average it.
 """
 
 from shardkit.parallel.sdp import step, subnetworks
-from shardkit.parallel.sdp.subnetworks import (
-    EVALS,
-    GRANULARITIES,
-    MASKINGS,
-    OWNERSHIPS,
-    REDUCTIONS,
-    Ring,
-    SDPConfig,
-    Split,
-    check_ownership,
-    make_strategy,
-    masked_average,
-    ownership,
-    psum_average,
-    ring_average,
-    ring_of,
-    slots,
-    strategy,
-)
+from shardkit.parallel.sdp.subnetworks import *  # noqa: F403  (its public names are this package's)
 
-__all__ = [
-    "EVALS",
-    "GRANULARITIES",
-    "MASKINGS",
-    "OWNERSHIPS",
-    "REDUCTIONS",
-    "Ring",
-    "SDPConfig",
-    "Split",
-    "check_ownership",
-    "make_strategy",
-    "masked_average",
-    "ownership",
-    "psum_average",
-    "ring_average",
-    "ring_of",
-    "slots",
-    "step",
-    "strategy",
-    "subnetworks",
-]
+__all__ = [*subnetworks.__all__, "step", "subnetworks"]

@@ -1,5 +1,8 @@
 """Subnetwork Data Parallelism (Singh, Khalid, Cagnasso, Oyallon, Belilovsky, arXiv 2507.09029).
 
+One idea at a little over 400 lines: the paper's algorithm (ownership, masks, the holders' averages) and the
+strategy it makes; its step, costs and composition with fsdp / tensor are the files beside this one.
+
 Every worker (a coordinate of the `data` mesh axis: a device, or its fsdp / tensor group) trains a structured
 subnetwork on its own batch shard, and each parameter is averaged every step over exactly the workers that hold
 it (HeteroFL's `combine`). No activation crosses workers.
@@ -391,6 +394,11 @@ def unpack(buf: jax.Array, meta: list[tuple[tuple[int, ...], Any]]) -> list[jax.
 strategy = renamed(make_strategy, "sk.sdp.strategy", "sk.sdp.make_strategy")
 
 __all__ = [
+    "EVALS",
+    "GRANULARITIES",
+    "MASKINGS",
+    "OWNERSHIPS",
+    "REDUCTIONS",
     "Ring",
     "SDPConfig",
     "Split",

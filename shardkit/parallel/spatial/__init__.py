@@ -7,30 +7,6 @@
 """
 
 from shardkit.parallel.spatial import exchange, kernels
-from shardkit.parallel.spatial.exchange import (
-    SPATIAL_NAMES,
-    Exchange,
-    Plan,
-    conv,
-    halo,
-    halo_bytes,
-    plan_layer,
-    pool,
-    recording,
-    resolve_padding,
-)
+from shardkit.parallel.spatial.exchange import *  # noqa: F403  (its public names are this package's)
 
-__all__ = [
-    "SPATIAL_NAMES",
-    "Exchange",
-    "Plan",
-    "conv",
-    "exchange",
-    "halo",
-    "halo_bytes",
-    "kernels",
-    "plan_layer",
-    "pool",
-    "recording",
-    "resolve_padding",
-]
+__all__ = [*exchange.__all__, "exchange", "kernels"]
