@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -65,6 +66,7 @@ from shardkit.init import (
     is_key,
     split_params,
     state_logical_axes,
+    unnamed_parameters,
     warn_idle_parameter_axes,
 )
 from shardkit.mesh import has_explicit_axes, step_mesh
@@ -153,7 +155,7 @@ class TrainStep(abc.ABC):
         self.graphdef, params, rest = split_params(model)
         strict, paths = self.strategy.strict_names, self.strategy.path_rules
         self.param_names = state_logical_axes(params, strict=strict, path_rules=paths)  # each parameter's names
-        self._check_every_axis_shards_something(model, rest)
+        self._check_every_axis_shards_something(model, params, rest)
         self.layout = StepLayout.of(params, rest, self.bound, optimizer, mesh, self.step_name)
         self.initial_model_state = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
         self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys
@@ -172,7 +174,7 @@ class TrainStep(abc.ABC):
         self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
         self.setup()
 
-    def _check_every_axis_shards_something(self, model: nnx.Module, rest: Any) -> None:
+    def _check_every_axis_shards_something(self, model: nnx.Module, params: Any, rest: Any) -> None:
         """Refuses a mesh axis (size > 1) that the strategy maps only to logical names this model's parameters,
         model state and batch never use: every device along it would compute the same thing (Strategy.bind's rule,
         per model). A ResNet under cp_ring would replicate its whole step over `seq`; under `spatial` (no `depth`)
@@ -199,8 +201,23 @@ class TrainStep(abc.ABC):
                     f"strategy {self.strategy.name!r} shards mesh axis {axis!r} (size {size}) over logical names "
                     f"{mapped}, and {type(model).__name__}'s parameters and batch name none of them (they name "
                     f"{sorted(names)}): every device along {axis!r} would compute the same thing. Use a strategy "
-                    f"for this model, drop {axis!r} from the mesh, or name the model's dimensions (batch_axes=...)"
+                    f"for this model, drop {axis!r} from the mesh, or {self._naming_remedy(mapped, params)}"
                 )
+
+    def _naming_remedy(self, mapped: list[str], params: Any) -> str:
+        """How to give the model the names an idle axis wants: its parameters' dimensions by path (path rules, with an
+        example built from the model's own largest unnamed parameters), or its batch's (`batch_axes`)."""
+        wanted = [n for n in mapped if n not in ("batch", "seq", "res_seq")]
+        unnamed = sorted(unnamed_parameters(params, self.strategy.path_rules), key=lambda u: -u[2])[:2]
+        if not wanted or not unnamed:
+            return "name the batch's dimensions (make_train_step(..., batch_axes=...))"
+        rules = ", ".join(f"(r\"{re.escape(path)}$\", {(*(None,) * (len(shape) - 1), wanted[0])!r})"
+                          for path, shape, _ in unnamed)  # fmt: skip
+        return (
+            f"name its parameters' dimensions by path, without editing the model: "
+            f"sk.strategy({self.strategy.name!r}).extend(path_rules=[{rules}, ...]) names the last dimension of its "
+            "largest unnamed parameters (pick the names each dimension means; docs/flax_models.md)"
+        )
 
     def setup(self) -> None:  # noqa: B027  (optional hook: most steps need none)
         """A subclass's own construction, after the common one (its options: `self.strategy.options`)."""

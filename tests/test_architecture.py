@@ -248,3 +248,31 @@ def test_old_names_keep_working_and_say_where_they_went():
     with pytest.warns(DeprecationWarning, match=r"sk.explain"):
         assert sk.inspect.explain is sk.explain
     assert "train" not in sk.__all__ and "dispatch" not in sk.__all__ and "hlo" in sk.__all__
+
+
+def test_an_unnamed_model_under_tp_is_told_to_name_its_parameters_by_path_and_the_advice_works():
+    """A model whose parameters carry no names (a library model: gemma's Linen transformer, here two nnx.Linear)
+    under tp: `tensor` would shard nothing. The refusal's remedy is path rules built from the model's own parameter
+    paths (batch_axes names batch dimensions, which would not help), and the rules it prints make the step build."""
+    import re as regex
+
+    from flax import nnx
+
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.relu(self.up(x)))
+
+    mesh = sk.make_mesh("data=2,tensor=4")
+    model = sk.abstract_model(Plain)
+    loss = lambda m, b: (m(b["x"]) ** 2).mean()
+    with pytest.raises(sk.ShardkitError, match=r"path_rules=\[") as refused:
+        sk.make_train_step(model, optax.sgd(0.1), mesh, "tp", loss_fn=loss)
+    message = str(refused.value)
+    assert "batch_axes" not in message and "up/kernel" in message and "down/kernel" in message
+    advice = regex.search(r"(sk\.strategy\(.*?\)\.extend\(path_rules=\[.*?)(, \.\.\.\])", message)
+    strategy = eval(advice.group(1) + "])", {"sk": sk})  # the printed rules, as a user would paste them
+    step = sk.make_train_step(model, optax.sgd(0.1), mesh, strategy, loss_fn=loss)
+    assert step.param_shardings["up"]["kernel"].spec[-1] == "tensor"
