@@ -49,7 +49,8 @@ class Tokenizer:
     def encode(self, docs: Sequence[str | bytes]) -> list[np.ndarray]:
         if self.hf is None:
             return [np.frombuffer(d.encode("utf-8") if isinstance(d, str) else d, np.uint8) for d in docs]
-        out = self.hf.encode_batch_fast(list(docs), add_special_tokens=self.add_special_tokens)
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)  # _fast (no offsets): tokenizers 0.21+
+        out = encode(list(docs), add_special_tokens=self.add_special_tokens)
         return [np.asarray(e.ids, np.uint32) for e in out]
 
     def describe(self) -> dict[str, Any]:
