@@ -93,8 +93,9 @@ def fingerprint(opts: Options, tok: Tokenizer, root: Path, rels: list[str]) -> s
 _WORKER: dict[str, Any] = {}
 
 
-def _init(opts: Options, root: Path, out: Path) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per unit is the parallelism here
+def _init(opts: Options, root: Path, out: Path, worker: bool = False) -> None:
+    if worker:  # one process per unit is the parallelism; in one process, the Rust tokenizer's own threads are
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(opts.tokenizer, opts.eod, opts.add_special_tokens)
     _WORKER.update(opts=opts, tok=tok, root=root, out=out, dtype=shard_dtype(tok.vocab_size))
 
@@ -163,6 +164,15 @@ def _claim(out: Path, fp: str) -> dict[str, Any] | None:
     return None
 
 
+def _finished(out: Path, record: Path, itemsize: int) -> bool:
+    """A unit is done when its record and every shard it names, of the size it says, are there."""
+    if not record.exists():
+        return False
+    shards = json.loads(record.read_text())["shards"]
+    return all((out / s["name"]).is_file() and (out / s["name"]).stat().st_size == s["tokens"] * itemsize
+               for s in shards)  # fmt: skip
+
+
 def _discard(out: Path, created: bool) -> None:
     """Remove what this tool wrote in `out` (after bad input: nothing half-written stays)."""
     for p in [*out.glob("train-*.bin"), *out.glob("val-*.bin"), *out.glob("*.tmp")]:
@@ -184,7 +194,7 @@ def _run_units(pending: list[Unit], opts: Options, root: Path, out: Path, worker
     # spawn: no fork of a process that may hold threads (tokenizers, jax); an executor, not a Pool: a worker that
     # dies (killed, out of memory) fails the run (BrokenProcessPool) instead of hanging it
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(opts, root, out)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(opts, root, out, True)) as pool:
         futures = [pool.submit(run_unit, u) for u in pending]
         try:
             for f in as_completed(futures):
@@ -220,7 +230,7 @@ def prepare(input: str, out: str | os.PathLike[str], opts: Options, workers: int
         print(f"{out} already holds this dataset ({MANIFEST} matches the input): nothing to do", file=sys.stderr)
         return finished
     record = lambda u: out / WORK / f"unit-{u.index:05d}.json"
-    pending = [u for u in units if not record(u).exists()]
+    pending = [u for u in units if not _finished(out, record(u), shard_dtype(tok.vocab_size).itemsize)]
     workers = min(workers or os.cpu_count() or 1, max(len(pending), 1))
     total = sum(u.nbytes for u in units)
     with tqdm(total=total, initial=total - sum(u.nbytes for u in pending), unit="B", unit_scale=True,

@@ -128,7 +128,8 @@ def load_prepared(path: str | Path) -> PreparedDataset:
     train, val = TokenStream(splits["train"]), TokenStream(splits["val"])
     if not len(val):  # too few documents for the crc32 rule: hold out the tail, as text.py does
         train, val = train.split_at(len(train) - len(train) * text.VAL_PERCENT // 100)
-    return PreparedDataset(train, val, int(m["vocab_size"]), p.name, eod_id=int(m["eod_id"]), manifest=m)
+    name = f"{p.name} ({m['tokenizer']['kind']} tokenizer, end-of-document id {m['eod_id']})"
+    return PreparedDataset(train, val, int(m["vocab_size"]), name, eod_id=int(m["eod_id"]), manifest=m)
 
 
 def documents(window: np.ndarray, eod: int) -> tuple[np.ndarray, np.ndarray]:
