@@ -177,6 +177,9 @@ def test_bad_input_is_one_error_line_and_nothing_written(tmp_path: Path, capsys,
     path.write_text(path.read_text() + json.dumps({"body": "x"}) + "\n")
     err = _fails(capsys, tmp_path, "--input", str(path), *byte, "--chunk_mb", "0.001", "--workers", "2")
     assert f"{path}:{len(DOCS) + 1}: no field 'text' (has: body); name the text field with --field" in err
+    (tmp_path / "z" / "c.jsonl.gz").parent.mkdir()
+    (tmp_path / "z" / "c.jsonl.gz").write_bytes(b"\x1f\x8b")
+    assert "compressed input is not read" in _fails(capsys, tmp_path, "--input", str(tmp_path / "z"), *byte)
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
     assert "bad.parquet: not a readable parquet file" in _fails(capsys, tmp_path, "--input",
                                                                  str(tmp_path / "bad.parquet"), *byte)  # fmt: skip

@@ -1,8 +1,10 @@
 """The documents of `experiments.data.prepare`'s inputs, cut into work units that tokenize independently.
 
-    .jsonl     one JSON object per line, the document in its `field` (default "text"); blank lines skipped
+    .jsonl     one JSON object per line, the document in its `field` (default "text"); blank lines skipped (.json
+               too: JSON lines, as Hugging Face datasets export them; a JSON array fails on its first line)
     .parquet   one document per row of the `field` column (needs pyarrow: `pip install pyarrow`)
-    other      each file is one document (its raw bytes for the byte tokenizer, UTF-8 text for a Hugging Face one)
+    other      each file is one document (its raw bytes for the byte tokenizer, UTF-8 text for a Hugging Face one);
+               compressed files (.gz, .zst, ...) are refused
 
 A unit is a byte range of one jsonl file (the lines that *start* in it), a run of row groups of one parquet file, or
 a run of whole text files, each about `chunk_bytes` of input: units are planned from the files' sizes alone, so a
@@ -38,8 +40,14 @@ class Unit:
     nbytes: int = 0  # input bytes (progress)
 
 
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z", ".tar")
+
+
 def kind_of(rel: str) -> str:
-    return "jsonl" if rel.endswith(".jsonl") else "parquet" if rel.endswith(".parquet") else "text"
+    """The reader of a file: jsonl (.jsonl, .json: JSON lines, as Hugging Face datasets export them), parquet, text."""
+    if rel.endswith(_COMPRESSED):
+        raise PrepareError(f"{rel}: compressed input is not read; decompress it first (e.g. gunzip, zstd -d)")
+    return "jsonl" if rel.endswith((".jsonl", ".json")) else "parquet" if rel.endswith(".parquet") else "text"
 
 
 def list_inputs(spec: str) -> tuple[Path, list[str]]:

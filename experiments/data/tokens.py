@@ -56,10 +56,10 @@ class TokenStream:
             start, stop, stride = key.indices(len(self))
             return self[np.arange(start, stop, stride)]
         idx = np.asarray(key, np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):  # no negative index wraps around
+            raise IndexError(f"token index out of range [0, {len(self)})")
         if len(self.arrays) == 1:
             return np.asarray(self.arrays[0][idx])
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"token index out of range [0, {len(self)})")
         shard = np.searchsorted(self.starts, idx, side="right") - 1
         out = np.empty(idx.shape, self.dtype)
         for s in np.unique(shard):  # fancy indexing per shard reads only these tokens
