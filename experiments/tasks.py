@@ -27,6 +27,7 @@ from flax import nnx
 
 import shardkit as sk
 from experiments.data import images, text, volumes
+from experiments.data import tokens as shards
 from models import cosmoflow, unet3d
 from models.gpt import GPT, GPTConfig
 from models.resnet import BATCH_AXES, ResNet, ResNetConfig, classification_loss
@@ -40,7 +41,9 @@ def model_config(config: ml_collections.ConfigDict, data_vocab: int) -> GPTConfi
     fields["vocab_size"] = fields["vocab_size"] or -(-data_vocab // 128) * 128
     fields["max_seq_len"] = fields["max_seq_len"] or config.seq_len
     if fields["vocab_size"] < data_vocab:
-        raise sk.ShardkitError(f"model.vocab_size={fields['vocab_size']} < the data's vocabulary {data_vocab}")
+        raise sk.ShardkitError(f"model.vocab_size={fields['vocab_size']} < the data's vocabulary {data_vocab}: its "
+                               "token ids would index past the embedding; use a model of at least that vocabulary, "
+                               "or prepare the data with the model's own tokenizer")  # fmt: skip
     if config.seq_len > fields["max_seq_len"]:
         raise sk.ShardkitError(f"seq_len={config.seq_len} > model.max_seq_len={fields['max_seq_len']}")
     return GPTConfig(**fields)
@@ -48,7 +51,8 @@ def model_config(config: ml_collections.ConfigDict, data_vocab: int) -> GPTConfi
 
 @dataclasses.dataclass
 class LMTask:
-    """Next-token prediction: GPT on a token corpus; batches {"inputs", "targets"[, "positions"]} int32 [B, T]."""
+    """Next-token prediction: GPT on a token corpus; batches {"inputs", "targets"[, "positions"]} int32 [B, T],
+    + "positions" and "segment_ids" from the end-of-document tokens of prepared data (experiments/data/tokens.py)."""
 
     config: ml_collections.ConfigDict
     model_cfg: GPTConfig
@@ -69,6 +73,12 @@ class LMTask:
     def flops_per_unit(self) -> float:
         return self.model_cfg.flops_per_token(self.config.seq_len)
 
+    @property
+    def eod(self) -> int | None:
+        """The end-of-document id that segments windows into documents (prepared data, data.documents), or None."""
+        eod = getattr(self.ds, "eod_id", None)
+        return eod if eod is not None and self.config.data.get("documents", True) else None
+
     def _layout(self, step: sk.TrainStep) -> np.ndarray | None:
         """Context parallelism: the loader lays tokens out for the ring (zigzag / striped) and adds positions."""
         layout, ring = sk.kernels.batch_layout(step.strategy, step.mesh)  # what the strategy's kernels declare
@@ -80,17 +90,17 @@ class LMTask:
         keys = (
             ("inputs", "targets") if step is None or self._layout(step) is None else ("inputs", "targets", "positions")
         )
-        return dict.fromkeys(keys, tokens)
+        return dict.fromkeys(shards.BATCH_KEYS if self.eod is not None else keys, tokens)
 
     def train_batch(self, step: sk.TrainStep, s: int) -> dict[str, jax.Array]:
         c = self.config
-        return text.global_batch(self.ds, s, c.batch_size, c.seq_len, step.batch_sharding, seed=c.seed,
-                                 perm=self._layout(step))  # fmt: skip
+        return shards.global_batch(self.ds, s, c.batch_size, c.seq_len, step.batch_sharding, seed=c.seed,
+                                   perm=self._layout(step), eod=self.eod)  # fmt: skip
 
     def val_batches(self, step: sk.TrainStep) -> list[dict[str, jax.Array]]:
         c = self.config
-        return text.val_batches(self.ds, c.eval_batches, c.batch_size, c.seq_len, step.batch_sharding,
-                                self._layout(step))  # fmt: skip
+        return shards.val_batches(self.ds, c.eval_batches, c.batch_size, c.seq_len, step.batch_sharding,
+                                  self._layout(step), self.eod)  # fmt: skip
 
     def describe(self, say: Callable[[str], None]) -> dict[str, Any]:
         """Prints the model and data lines; returns what goes into config.json's info."""
@@ -111,12 +121,15 @@ class LMTask:
 def _lm(config: ml_collections.ConfigDict) -> LMTask:
     try:
         d = config.data
-        ds = text.load_dataset(
-            d.path or None,
-            cache_dir=d.cache_dir or None,
-            bin_dtype=np.dtype(d.bin_dtype),
-            max_files=d.max_files or None,
-        )
+        if d.path and shards.is_prepared(d.path):  # python -m experiments.data.prepare's output
+            ds = shards.load_prepared(d.path)
+        else:
+            ds = text.load_dataset(
+                d.path or None,
+                cache_dir=d.cache_dir or None,
+                bin_dtype=np.dtype(d.bin_dtype),
+                max_files=d.max_files or None,
+            )
         for split, tokens in (("train", ds.train), ("val", ds.val)):  # the error names the split that is short
             text.batch_offsets(len(tokens), 0, 0, config.seq_len, split=split)
     except (OSError, ValueError) as e:

@@ -116,7 +116,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- data (experiments/data/text.py): byte tokens of the Python stdlib unless data.path is set
     c.data = ml_collections.ConfigDict()
-    c.data.path = ""  # text file / directory / glob, nanoGPT dir with train.bin+val.bin, or a .bin file
+    c.data.path = ""  # text file / directory / glob, nanoGPT dir with train.bin+val.bin, a .bin file, or a folder
+    #                   written by `python -m experiments.data.prepare` (manifest.json: experiments/data/tokens.py)
+    c.data.documents = True  # prepared data: segment ids and positions from its end-of-document tokens (attention and
+    #                          RoPE positions never cross a document); False = windows attend across documents
     c.data.bin_dtype = "uint16"  # token dtype of .bin files
     c.data.cache_dir = ""  # tokenised-text cache; "" = ~/.cache/shardkit/data
     c.data.max_files = 0  # use only the first N text files (0 = all)
