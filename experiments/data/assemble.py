@@ -50,4 +50,20 @@ def global_array(
     return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
 
 
-__all__ = ["Spans", "global_array", "spans_of"]
+def global_arrays(
+    shape: Sequence[int], sharding: jax.sharding.Sharding, read: Callable[[Spans], dict[str, np.ndarray]],
+    keys: Sequence[str], dtype: type = np.int32,
+) -> dict[str, jax.Array]:  # fmt: skip
+    """Global arrays of one shape and sharding (a text batch's inputs, targets, positions, ...) whose blocks come
+    from one `read(spans) -> {key: block}` per distinct block."""
+    reads: dict[Spans, dict[str, np.ndarray]] = {}
+
+    def block(spans: Spans, key: str) -> np.ndarray:
+        if spans not in reads:
+            reads[spans] = read(spans)
+        return reads[spans][key]
+
+    return {k: global_array(shape, sharding, lambda spans, k=k: block(spans, k), dtype) for k in keys}
+
+
+__all__ = ["Spans", "global_array", "global_arrays", "spans_of"]

@@ -43,6 +43,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from experiments.data.assemble import global_arrays
+
 EOT = 256
 VOCAB_SIZE = 257
 PADDED_VOCAB = 384
@@ -286,25 +288,11 @@ def read_windows(
 def _to_global(
     tokens: np.ndarray, offsets: np.ndarray, seq_len: int, sharding: Sharding, perm: np.ndarray | None = None
 ) -> Arrays:
-    """Global [B, T] arrays, reading only the blocks held by this process's devices (replicated blocks once).
-
-    Blocks come from ``addressable_devices_indices_map``, arrays from ``make_array_from_single_device_arrays``:
-    ``make_array_from_process_local_data`` needs this process's data as one dense box, which it is not when the mesh
-    interleaves processes along a sharded dim (and it must infer the layout when dim 1 is sharded); the per-device
-    map is exact for any sharding.
-    """
-    shape = (len(offsets), seq_len)
-    blocks: dict[tuple[int, ...], Batch] = {}
-    out: dict[str, list[jax.Array]] = {k: [] for k in ("inputs", "targets", "positions")[: 2 if perm is None else 3]}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        (r0, r1, rs), (c0, c1, cs) = (sl.indices(n) for sl, n in zip(index, shape, strict=True))
-        assert rs == cs == 1, index
-        if (r0, r1, c0, c1) not in blocks:
-            blocks[r0, r1, c0, c1] = read_windows(tokens, offsets[r0:r1], c0, c1, perm)
-        for k, arrays in out.items():
-            arrays.append(jax.device_put(blocks[r0, r1, c0, c1][k], device))
-    make = jax.make_array_from_single_device_arrays
-    return {k: make(shape, sharding, v) for k, v in out.items()}
+    """Global [B, T] arrays, reading only the blocks held by this process's devices (replicated blocks once:
+    experiments/data/assemble.py)."""
+    keys = ("inputs", "targets", "positions")[: 2 if perm is None else 3]
+    read = lambda spans: read_windows(tokens, offsets[slice(*spans[0])], *spans[1], perm)
+    return global_arrays((len(offsets), seq_len), sharding, read, keys)
 
 
 def global_batch(

@@ -28,10 +28,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from experiments.data import text
+from experiments.data.assemble import global_arrays
 from experiments.data.text import Arrays, Batch, Sharding, TokenDataset
 
 MANIFEST = "manifest.json"
@@ -160,18 +160,9 @@ def batch_at(
 ) -> Arrays:  # fmt: skip
     """Global [B, T] arrays of the windows at `offsets`, each process reading only the rows (and, without
     documents, the columns) of its own devices' blocks; the same arrays whatever the process count."""
-    shape = (len(offsets), seq_len)
     keys = BATCH_KEYS if eod is not None else BATCH_KEYS[: 2 if perm is None else 3]
-    blocks: dict[tuple[int, ...], Batch] = {}
-    out: dict[str, list[jax.Array]] = {k: [] for k in keys}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        (r0, r1, rs), (c0, c1, cs) = (sl.indices(n) for sl, n in zip(index, shape, strict=True))
-        assert rs == cs == 1, index
-        if (r0, r1, c0, c1) not in blocks:
-            blocks[r0, r1, c0, c1] = read_windows(tokens, offsets[r0:r1], c0, c1, perm, eod)
-        for k, arrays in out.items():
-            arrays.append(jax.device_put(blocks[r0, r1, c0, c1][k], device))
-    return {k: jax.make_array_from_single_device_arrays(shape, sharding, v) for k, v in out.items()}
+    read = lambda spans: read_windows(tokens, offsets[slice(*spans[0])], *spans[1], perm, eod)
+    return global_arrays((len(offsets), seq_len), sharding, read, keys)
 
 
 def global_batch(
