@@ -35,6 +35,7 @@ from shardkit.rules import constrain, logical_to_spec, scope, use_rules
 from shardkit.step import TrainState, TrainStep
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.targets import Target, keep_host_platforms, target
+from shardkit.traits import Traits  # what a strategy is, from its tables (Strategy.traits() is deprecated)
 
 keep_host_platforms()  # before JAX starts its backends: no libtpu probe on a host without a TPU (target.py)
 
@@ -54,6 +55,7 @@ __all__ = [
     "Target",
     "TrainState",
     "TrainStep",
+    "Traits",
     "abstract_model",
     "attention",
     "available_presets",

@@ -56,11 +56,11 @@ def test_configure_applies_the_sections_named_after_the_step_and_kernels():
 )  # fmt: skip
 def test_a_copy_under_a_new_name_gets_the_originals_prediction(name, cfg, mesh, shapes):
     copy = sk.strategy(name).replace(name=f"my_{name}_copy")
-    original = cfg.cost_model(sk.strategy(name), mesh, shapes, 4, "cpu")
+    original = sk.costmodel.for_config(cfg).predict(sk.strategy(name), mesh, shapes, 4, "cpu")
     assert original is not None
-    got = cfg.cost_model(copy, mesh, shapes, 4, "cpu")
+    got = sk.costmodel.for_config(cfg).predict(copy, mesh, shapes, 4, "cpu")
     assert got[0] == original[0] and got[1] == original[1]  # comms rows and memory terms equal
-    assert copy.traits() == sk.strategy(name).traits()
+    assert sk.Traits.of(copy) == sk.Traits.of(name)
 
 
 def test_a_copy_of_cp_zigzag_gets_the_originals_explain_prediction():
@@ -79,9 +79,9 @@ def test_a_copy_of_cp_zigzag_gets_the_originals_explain_prediction():
 
 def test_a_strategy_the_formulas_do_not_describe_gets_none_whatever_its_name():
     # the GPT's tp formula under the name of a CNN strategy that splits channels: not Megatron, so no formula
-    assert TINY.cost_model(sk.strategy("tp_channels").replace(name="tp"), {"data": 4, "tensor": 2},
-                           {"inputs": (16, 32)}, 4, "cpu") is None  # fmt: skip
-    assert sk.strategy("fsdp").traits().reduce_scatters and not sk.strategy("dp").traits().reduce_scatters
+    channels, gpt = sk.strategy("tp_channels").replace(name="tp"), sk.costmodel.for_config(TINY)
+    assert gpt.predict(channels, {"data": 4, "tensor": 2}, {"inputs": (16, 32)}, 4, "cpu") is None
+    assert sk.Traits.of("fsdp").reduce_scatters and not sk.Traits.of("dp").reduce_scatters
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -173,7 +173,7 @@ def test_plan_bad_input(kwargs, match):
 
 
 def test_plan_needs_the_models_cost_hook():
-    with pytest.raises(sk.ShardkitError, match=r"has no cost_model\(strategy, mesh, batch_shapes, nbytes, backend\)"):
+    with pytest.raises(sk.ShardkitError, match=r"has no cost model; register one beside the model"):
         cm.plan(object(), devices=8, hardware="perlmutter", global_batch=8, seq_len=16)
 
 
@@ -182,7 +182,7 @@ def test_plan_tries_by_default_the_strategies_the_models_formulas_cover():
     CosmoFlow's dp and explicit-halo spatial split (a model's formulas answer for no other strategy)."""
     args = dict(devices=8, global_batch=16, include_rejected=True)
     dense = cm.plan(TINY, hardware="perlmutter", seq_len=32, **args)
-    assert {p.strategy for p in dense} == set(cm.DEFAULT_STRATEGIES) == set(TINY.plan_strategies)
+    assert {p.strategy for p in dense} == set(cm.DEFAULT_STRATEGIES) == set(cm.for_config(TINY).plan_strategies)
     moe = cm.plan(dataclasses.replace(TINY, num_experts=4, top_k=2), hardware="perlmutter", seq_len=32, **args)
     assert {p.strategy for p in moe} == {"ep", "ep_tp", "ep_fsdp"}
     cosmo = cm.plan(CosmoFlowConfig(size=32, spatial_blocks=2), hardware="lassen", **args)

@@ -28,8 +28,8 @@ from common import TINY
 
 import shardkit as sk
 from models import gpt_cost as gc
-from models import gpt_remat_cost as grc
 from models.gpt import GPT, GPTConfig
+from models.gpt_cost import remat as grc
 from shardkit import costmodel as cm
 from shardkit import hlo
 
@@ -95,7 +95,7 @@ POLICIES = ("none", "full", "dots", "dots_no_batch", "names:qkv_proj", "names:ou
 def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes, shape, checked):
     mesh, devices = sk.make_mesh(mesh_axes), math.prod(mesh_axes.values())
     abstract = sk.abstract_model(lambda rngs: GPT(cfg, rngs=rngs), 0)
-    temp, matmuls, pred = {}, {}, {}
+    temp, matmuls, pred, cost = {}, {}, {}, sk.costmodel.for_config(cfg)
     for policy in ("none", *checked) if name == "ep_tp" else POLICIES:  # ep_tp: a subset (parametrize's comment)
         strategy = sk.strategy(name).replace(kernels={"remat": policy})
         strategy.bind(mesh)
@@ -103,7 +103,7 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
         tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=step.batch_sharding)
         compiled = step.lower(step.abstract_state(), {"inputs": tokens, "targets": tokens}).compile()
         temp[policy], matmuls[policy] = compiled.memory_analysis().temp_size_in_bytes, hlo.matmul_flops(compiled)
-        comms, memory, _ = cfg.cost_model(strategy, mesh_axes, {"inputs": shape}, 4, "cpu")
+        comms, memory, _ = cost.predict(strategy, mesh_axes, {"inputs": shape}, 4, "cpu")
         pred[policy] = memory["activations"]
         if cfg.num_experts:  # the all-to-alls: a remat policy re-runs the forward's two per layer
             colls = hlo.collectives(compiled, mesh)
@@ -116,6 +116,6 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
         split = mesh_axes.get("tensor", 1)  # ep_tp: attention, router, dispatch replicated over tensor
         per_token = grc.recompute_per_token(cfg, policy, shape[1], split)[0]
         assert matmuls[policy] - matmuls["none"] == per_token * math.prod(shape) / (devices // split), policy
-        assert (cfg.recompute_flops(strategy, mesh_axes, {"inputs": shape}) > 0) == (policy != "none")
+        assert (cost.recompute_flops(strategy, mesh_axes, {"inputs": shape}) > 0) == (policy != "none")
     for policy in checked:
         assert pred["none"] - pred[policy] == pytest.approx(temp["none"] - temp[policy], rel=0.10), policy
