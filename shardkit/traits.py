@@ -25,7 +25,7 @@ def _axes_of(table: Mapping[str, MeshAxes]) -> dict[str, tuple[str, ...]]:
 class Traits:
     """A strategy as its tables say it is, whatever its name (`Traits.of(s)`): per logical name the mesh axes
     of the compute, parameter and optimizer-state rules (sharded names only), the step and the kernels. A model's
-    cost hook decides from these which of its formulas applies, so a strategy registered under a new name with
+    cost model decides from these which of its formulas applies, so a strategy registered under a new name with
     the tables of a built-in gets the built-in's prediction."""
 
     step: str

@@ -1,6 +1,6 @@
 """The planner trades memory for time: per-remat-policy memory and recompute cost of the GPT, `sk.plan(remat=)`.
 
-The per-policy formulas (models/gpt_remat_cost.py, gpt_cost.py, gpt_moe_cost.py) are checked against XLA for the
+The per-policy formulas (models/gpt_cost/remat.py, memory.py, moe.py) are checked against XLA for the
 dense GPT under fsdp and the MoE GPT under ep, on 8 CPU devices:
 
 - recomputed matmul FLOPs, exactly (and the MoE's all-to-alls, which any policy but `none` runs 6 times per layer

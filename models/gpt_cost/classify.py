@@ -67,7 +67,7 @@ def formula(strategy: Any) -> str | None:
 
 def cp_formula(strategy: Any) -> str | None:
     """Returns "cp" when `strategy` is context parallelism the TPU terms describe (the ring kernel over `seq`, the batch
-    over `data`, nothing else split, GSPMD step), else None. Verified on TPU only (GPTConfig.cost_model asks it
+    over `data`, nothing else split, GSPMD step), else None. Verified on TPU only (model.py asks it
     for backend "tpu"; on CPU such strategies keep the rules tables' prediction)."""
     t = Traits.of(strategy)
     ring = str(t.kernels.get("attention", "")).startswith("ring")

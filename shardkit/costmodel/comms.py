@@ -56,7 +56,7 @@ def _steps(kind: str, p: int) -> int:
 
 
 class CommBuilder:
-    """The public builder a model's cost hook writes its collectives with: `add` one row per collective (axes of
+    """The public builder a model's cost model writes its collectives with: `add` one row per collective (axes of
     size 1 skipped; on the CPU backend a GSPMD reduce-scatter becomes the all-reduce XLA:CPU compiles), then
     `comms()` the rows merged per (kind, axis), what `sk.explain` compares with the compiled HLO.
 
