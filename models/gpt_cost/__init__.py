@@ -12,7 +12,7 @@ The one place in models/ that names mesh axes (its formulas are per strategy and
 
 from models.gpt_cost.classify import MODELLED, cp_formula, formula, pp_formula, sdp_options, tpu_formula
 from models.gpt_cost.comms import cached_comms, gpt_extra_comms, strategy_comms
-from models.gpt_cost.memory import activation_bytes, memory
+from models.gpt_cost.memory import activation_bytes, memory  # `gpt_cost.memory`: the function, as before the split
 from models.gpt_cost.model import GPTCostModel
 from models.gpt_cost.sdp import sdp_divisibility, sdp_terms
 from models.gpt_cost.shapes import blocks_per_layer, divisibility, fc_layers, logit_tokens, num_params

@@ -82,7 +82,7 @@ def tpu_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
 
 def pp_formula(strategy: Any, mesh: dict[str, int]) -> str | None:
     """Returns "pp:<m>" (m microbatches) for a GPipe pipeline over `stage` with the batch not split, nothing else split
-    (the `pp` strategy): the TPU terms below describe it; else None."""
+    (the `pp` strategy): the TPU terms (tpu.py) describe it; else None."""
     t = Traits.of(strategy)
     layers = str(t.kernels.get("layers", ""))
     plain = t.step == "gspmd" and not (t.scoped or t.gathered or t.batch or t.sequence)
