@@ -12,11 +12,11 @@ The one place in models/ that names mesh axes (its formulas are per strategy and
 
 from models.gpt_cost.classify import MODELLED, cp_formula, formula, pp_formula, sdp_options, tpu_formula
 from models.gpt_cost.comms import cached_comms, gpt_extra_comms, strategy_comms
-from models.gpt_cost.memory import activation_bytes, memory  # `gpt_cost.memory`: the function, as before the split
+from models.gpt_cost.memory import activation_bytes
 from models.gpt_cost.model import GPTCostModel
 from models.gpt_cost.sdp import sdp_divisibility, sdp_terms
 from models.gpt_cost.shapes import blocks_per_layer, divisibility, fc_layers, logit_tokens, num_params
 
 __all__ = ["MODELLED", "GPTCostModel", "activation_bytes", "blocks_per_layer", "cached_comms", "cp_formula",
-           "divisibility", "fc_layers", "formula", "gpt_extra_comms", "logit_tokens", "memory", "num_params",
+           "divisibility", "fc_layers", "formula", "gpt_extra_comms", "logit_tokens", "num_params",
            "pp_formula", "sdp_divisibility", "sdp_options", "sdp_terms", "strategy_comms", "tpu_formula"]  # fmt: skip
