@@ -1,14 +1,14 @@
 """`--config.strategy=auto`: the planner picks strategy, mesh and remat policy; the top candidates are compiled and
 the fastest that fits is trained (docs/planner.md).
 
-1. Candidates. A model whose config has the cost hooks (`cost_model`: the GPT, CosmoFlow) is planned by `sk.plan`
-   (a hook that answers for no strategy from the batch's size alone, as the U-Net's, falls to the next path)
+1. Candidates. A model with a cost model (`sk.costmodel.for_config`: the GPT, CosmoFlow) is planned by `sk.plan`
+   (a cost model that answers for no strategy from the batch's size alone, as the U-Net's, falls to the next path)
    over the registered strategies its formulas cover, on this machine's device count with the run's hardware preset
-   (links, HBM, peak), the remat policies of `plan(remat=...)` tried per plan (`auto.remat`; a model without a
-   `recompute_flops` hook gets "none" only). A model without them (the ResNet) gets every registered strategy on its
-   own auto mesh (`Strategy.default_mesh`), ranked by the parameter traffic its rules tables imply
-   (`shardkit.costmodel_rules.state_comms`) at the preset's links; strategies the model does not fit (a missing
-   logical name, shapes that do not divide) are skipped with their reason.
+   (links, HBM, peak), the remat policies of `plan(remat=...)` tried per plan (`auto.remat`; a cost model that
+   does not price recompute, `models_remat` False, gets "none" only). A model without one (the ResNet) gets every
+   registered strategy on its own auto mesh (`Strategy.default_mesh`), ranked by the parameter traffic its rules
+   tables imply (`shardkit.costmodel_rules.state_comms`) at the preset's links; strategies the model does not fit
+   (a missing logical name, shapes that do not divide) are skipped with their reason.
 2. The first `auto.top` (3) that build are compiled exactly as `experiments.train` would build them had the user
    typed `--config.strategy=<s> --config.mesh=<mesh> --config.kernels=remat=<policy>` (`train.build`), and read:
    memory per device = arguments + outputs - aliased + temporaries (`memory_analysis()`), which must fit
@@ -90,13 +90,13 @@ def plan_candidates(config: Any, model_cfg: Any, devices: int, preset: sk.Hardwa
     lm = config.get("task", "lm") == "lm"
     shapes = {"inputs": (config.batch_size, config.seq_len)} if lm else {"batch": (config.batch_size,)}
     backend = "cpu" if preset.platform == "cpu" else preset.platform
-    covered = []
+    covered, model = [], costmodel.for_config(model_cfg)
     for name in sk.STRATEGIES:  # the strategies the model's formulas describe (read from their tables)
         try:
-            terms = model_cfg.cost_model(name, sk.strategy(name).default_mesh(devices), shapes, 4, backend)
+            terms = model.predict(name, sk.strategy(name).default_mesh(devices), shapes, 4, backend)
         except sk.ShardkitError:
             continue
-        if terms is not None and not sk.strategy(name).traits().scoped:
+        if terms is not None and not sk.Traits.of(name).scoped:
             covered.append(name)
     if not covered:
         return None
@@ -186,7 +186,7 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
                                f"{config.auto.memory_fraction} in (0, 1]")  # fmt: skip
     model_cfg = build_task(config).model_cfg
     cands, how = None, ""
-    if callable(getattr(model_cfg, "cost_model", None)) and devices & (devices - 1) == 0:
+    if costmodel.for_config(model_cfg) is not None and devices & (devices - 1) == 0:
         cands, how = plan_candidates(config, model_cfg, devices, preset), "sk.plan (the model's cost model)"
     if cands is None:
         cands, how = rules_candidates(config, devices, preset, build), "every registered strategy it fits"

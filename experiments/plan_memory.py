@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         step = sk.make_train_step(abstract, optax.adamw(1e-3), mesh, strategy)
         tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=step.batch_sharding)
         ma = step.lower(step.abstract_state(), {"inputs": tokens, "targets": tokens}).compile().memory_analysis()
-        mem = cfg.cost_model(strategy, axes, {"inputs": (batch, seq)}, 4, "cpu")[1]
+        mem = sk.costmodel.for_config(cfg).predict(strategy, axes, {"inputs": (batch, seq)}, 4, "cpu")[1]
         pred = mem["activations"] + mem["grads"]
         temp = ma.temp_size_in_bytes
         print(f"{policy:<14} {mib(temp):>13} {mib(pred):>15} {pred / temp - 1:>+7.1%} "

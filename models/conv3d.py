@@ -71,7 +71,7 @@ def upsample(x: jax.Array, *, split: bool = True) -> jax.Array:
 
 
 def remat_unmodelled(strategy: Any) -> str:
-    """The cost hooks' note when `strategy` sets a remat policy their activation formulas (written for `none`) do
+    """The cost models' note when `strategy` sets a remat policy their activation formulas (written for `none`) do
     not model ("" when it sets none): docs/spatial.md, Remat."""
     remat = sk.strategy(strategy).kernels.get("remat") or "none"
     return f"; remat {remat} not modelled: memory and collectives as without it" if remat != "none" else ""

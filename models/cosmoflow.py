@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,33 +82,6 @@ class CosmoFlowConfig:
             n += f * h + h
             f = h
         return n
-
-    #: What `sk.plan` tries by default: the batch over data, and the volume split with explicit halos (the
-    #: formulas model no other exchange; `spatial_halo`'s meshes include data x space).
-    plan_strategies = ("dp", "spatial_halo")
-
-    def cost_model(
-        self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
-    ) -> tuple[list, dict[str, float], str] | None:
-        """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) from models/cosmoflow_cost.py; None
-        for a strategy it does not model."""
-        from models import cosmoflow_cost
-
-        family = cosmoflow_cost.formula(strategy)  # from the strategy's tables, not its name
-        if family is None:
-            return None
-        batch = next(iter(batch_shapes.values()))[0]
-        comms = cosmoflow_cost.comms(self, strategy, mesh, batch, self.size, nbytes)
-        memory = cosmoflow_cost.memory(self, strategy, mesh, batch, self.size, nbytes, backend)
-        unmodelled = conv3d.remat_unmodelled(strategy)
-        source = f"models/cosmoflow_cost.py ({family}: explicit halo exchange + gradient all-reduces{unmodelled})"
-        return comms, memory, source
-
-    def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
-        """`sk.plan`'s hook: why the volume or batch does not split over `mesh` ("" if they do)."""
-        from models import cosmoflow_cost
-
-        return cosmoflow_cost.divisibility(self, strategy, mesh, global_batch, self.size)
 
     def flops_per_example(self) -> float:
         """Training FLOPs per volume: 3 x 2 x the forward multiply-adds of the convs and dense layers."""

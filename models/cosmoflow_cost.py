@@ -1,8 +1,9 @@
 """CosmoFlow's cost model: per-device halo and gradient traffic and memory of one train step, per spatial plan.
 
-(Like models/gpt_cost.py, the file in models/ for this model that names mesh axes: the formulas are per strategy
-and mesh; models/cosmoflow.py names none.) `CosmoFlowConfig.cost_model` (what `sk.explain` and `sk.plan` ask)
-calls `comms` and `memory` here, for `dp` and the spatial strategies (`spatial`, `spatial_dp`, `*_halo`):
+(Like models/gpt_cost/, the file in models/ for this model that names mesh axes: the formulas are per strategy
+and mesh; models/cosmoflow.py names none.) `CosmoFlowCostModel`, the `sk.costmodel.CostModel` registered for
+CosmoFlowConfig (what `sk.explain` and `sk.plan` ask), calls `comms` and `memory` here, for `dp` and the spatial
+strategies (`spatial`, `spatial_dp`, `*_halo`):
 
 - halos: the explicit kernels' exchange (shardkit.parallel.spatial.halo_bytes, the same function the kernels
   record while traced, = compiled in tests/test_spatial.py and bench_spatial): per conv of a split block and per
@@ -27,8 +28,12 @@ import math
 import types
 from typing import Any
 
-from shardkit.costmodel import Comm
+import shardkit as sk
+from models.conv3d import remat_unmodelled
+from models.cosmoflow import CosmoFlowConfig
+from shardkit.costmodel import Comm, CostModel, Terms
 from shardkit.parallel import spatial
+from shardkit.traits import Traits
 
 SPATIAL_AXES = ("space", "space_h", "space_w")  # depth, height, width, as the spatial strategies' rules
 MODELLED = ("dp", "spatial", "spatial_dp", "spatial_halo", "spatial_dp_halo")  # the built-ins formula() matches
@@ -38,9 +43,7 @@ def formula(strategy: Any) -> str | None:
     """ "dp" or "spatial" when `strategy` (a Strategy or registered name) is what these formulas model, read from
     its tables and kernels (never its name): the batch over data at most, depth / height / width over the spatial
     axes, weights replicated; None otherwise."""
-    from shardkit.strategies import strategy as named
-
-    t = named(strategy).traits()
+    t = Traits.of(strategy)
     spatial = t.axes("depth", "height", "width")
     other = {n: a for n, a in t.compute.items() if n not in ("batch", "depth", "height", "width")}
     if t.step != "gspmd" or t.scoped or other or t.params or t.optimizer_only or set(t.batch) - {"data"}:
@@ -179,3 +182,30 @@ def divisibility(cfg: Any, strategy: str, mesh: dict[str, int], batch: int, size
             except Exception as e:  # a ShardkitError naming the layer: the reason this plan is dropped
                 return str(e).split(";")[0]
     return ""
+
+
+@sk.costmodel.register(CosmoFlowConfig)
+class CosmoFlowCostModel(CostModel):
+    """CosmoFlow's halos, gradients and memory per step (module docstring); None for a strategy not modelled."""
+
+    cfg: CosmoFlowConfig
+    #: What `sk.plan` tries by default: the batch over data, and the volume split with explicit halos (the
+    #: formulas model no other exchange; `spatial_halo`'s meshes include data x space).
+    plan_strategies = ("dp", "spatial_halo")
+
+    def predict(
+        self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+    ) -> Terms | None:
+        family = formula(strategy)  # from the strategy's tables, not its name
+        if family is None:
+            return None
+        batch = next(iter(batch_shapes.values()))[0]
+        comms_ = comms(self.cfg, strategy, mesh, batch, self.cfg.size, nbytes)
+        memory_ = memory(self.cfg, strategy, mesh, batch, self.cfg.size, nbytes, backend)
+        unmodelled = remat_unmodelled(strategy)
+        source = f"models/cosmoflow_cost.py ({family}: explicit halo exchange + gradient all-reduces{unmodelled})"
+        return comms_, memory_, source
+
+    def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
+        """Why the volume or batch does not split over `mesh` ("" if they do)."""
+        return divisibility(self.cfg, strategy, mesh, global_batch, self.cfg.size)

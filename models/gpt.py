@@ -11,9 +11,7 @@ grow with depth. Every parameter has `logical_axes` metadata and every major act
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +20,12 @@ from flax import nnx
 import shardkit as sk
 from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
 from models.gpt_loss import chunked_cross_entropy
+from models.gpt_remat import REMAT_ALIASES
 
 #: The values every block tags for the `names:` / `offload:` remat policies (docs/memory.md): the fused Q/K/V projection
 #: [b, s, kv_heads, g + 2, head_dim], the attention kernel's output [b, s, heads, head_dim] and its output projection
 #: [b, s, embed], the MLP's (normed) input [b, s, embed] and its hidden activation silu(gate) * up [b, s, mlp].
 CHECKPOINT_NAMES = ("qkv_proj", "attn_out", "out_proj", "mlp_in", "mlp_hidden")
-#: `GPTConfig.remat` -> the remat policy it means (the older config field, kept as an alias of the `remat` kernel
-#: slot). `dots` kept its meaning: matmuls without batch dimensions (the projections), not attention's scores.
-REMAT_ALIASES: dict[str, str] = {"none": "none", "full": "full", "dots": "dots_no_batch"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +43,9 @@ class GPTConfig:
     norm_eps: float = 1e-6
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision)
     param_dtype: str = "float32"
-    #: an alias of the `remat` kernel slot (docs/memory.md, REMAT_ALIASES): "none" (the strategy's slot decides),
-    #: "full", or "dots" (= the slot's "dots_no_batch": the projections' outputs kept); a slot naming another policy
-    #: is an error
+    #: an alias of the `remat` kernel slot (docs/memory.md, models/gpt_remat.py REMAT_ALIASES): "none" (the strategy's
+    #: slot decides), "full", or "dots" (= the slot's "dots_no_batch": the projections' outputs kept); a slot naming
+    #: another policy is an error
     remat: str = "none"
     init_std: float = 0.02
     #: the output projection's dot accumulated and returned in fp32 (True), or returned in the compute dtype and
@@ -114,84 +110,6 @@ class GPTConfig:
         if self.num_experts:  # a token runs top_k of the experts: the active parameters
             n -= self.num_layers * 3 * self.d_model * self.mlp_dim * (self.num_experts - self.top_k)
         return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-
-    @property
-    def plan_strategies(self) -> tuple[str, ...]:
-        """What `sk.plan` tries by default: the strategies these formulas cover (the ep family for a MoE GPT)."""
-        return ("ep", "ep_tp", "ep_fsdp") if self.num_experts else sk.costmodel.DEFAULT_STRATEGIES
-
-    def cost_model(
-        self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
-    ) -> tuple[list, dict[str, float], str] | None:
-        """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) of one train step from the GPT
-        formulas (models/gpt_cost.py, activations included); None for a strategy they do not cover (explain then
-        falls back to the parameter traffic implied by the rules tables)."""
-        from models import gpt_cost, gpt_moe_cost
-
-        name = getattr(strategy, "name", strategy)
-        if self.num_experts:  # MoE under ep*: models/gpt_moe_cost.py (memory: the remat rules at the experts' width)
-            t = sk.strategy(strategy).traits()
-            if t.step != "gspmd" or t.kernels.get("moe") not in ("all_to_all", "einsum") or not t.axes("experts"):
-                return None
-            batch, seq = next(iter(batch_shapes.values()))[:2]
-            remat = self.remat_policy(strategy)
-            comms = gpt_moe_cost.comms(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
-            block = sk.attention.blocks.planned(strategy, mesh, seq, backend)
-            memory = gpt_moe_cost.memory(self, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend,
-                                         fused_attention=block in ("splash", "flash"))  # fmt: skip
-            return comms, memory, f"models/gpt_moe_cost.py ({name}, backend {backend}, attention {block})"
-        sdp = gpt_cost.sdp_options(strategy)
-        if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (models/gpt_cost.py)
-            batch, seq = next(iter(batch_shapes.values()))[:2]
-            comms, memory = gpt_cost.sdp_terms(self, mesh, batch, seq, sdp.coverage, nbytes, backend,
-                                               remat=self.remat_policy(strategy))  # fmt: skip
-            return comms, memory, f"models/gpt_cost.py sdp_terms (coverage {sdp.coverage:g}, backend {backend})"
-        family = gpt_cost.formula(strategy)  # from the strategy's tables, not its name
-        if family is None and backend == "tpu":  # context / pipeline parallelism: TPU terms only (gpt_cost.py)
-            family = gpt_cost.tpu_formula(strategy, mesh)
-        if family is None:
-            return None
-        batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
-        block = sk.attention.blocks.planned(strategy, mesh, seq, backend)  # splash on TPU: no [s, s] scores kept
-        fused = block in ("splash", "flash")
-        embed = sk.embedding.planned(strategy, mesh, batch, backend)  # gather, or on TPU local / vocab
-        comms = list(gpt_cost.cached_comms(family, self, tuple(mesh.items()), batch, seq, nbytes, backend, fused,
-                                           embed == "local"))  # fmt: skip
-        memory = gpt_cost.memory(family, self, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
-                                 backend=backend, fused_attention=fused)  # fmt: skip
-        return comms, memory, (f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention "
-                               f"{block}, embedding {embed})")  # fmt: skip
-
-    def remat_policy(self, strategy: Any) -> str:
-        """The remat policy the cost model assumes under `strategy`: its `remat` kernel where it sets one (what
-        `sk.plan` varies), else this config's alias. (A real run refuses a slot and an alias that disagree.)"""
-        slot = sk.strategy(strategy).kernels.get("remat")
-        return slot if slot is not None else REMAT_ALIASES[self.remat]
-
-    def recompute_flops(self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]]) -> float:
-        """`sk.plan`'s hook: FLOPs per device per step the backward re-runs under the strategy's remat policy
-        (models/gpt_remat_cost.py states the convention)."""
-        from models import gpt_cost, gpt_moe_cost, gpt_remat_cost
-
-        batch, seq = next(iter(batch_shapes.values()))[:2]
-        devices, cfg, split = math.prod(mesh.values()), self, 1
-        sdp = gpt_cost.sdp_options(strategy)
-        if sdp is not None:  # an SDP worker runs only its k = coverage x L blocks (on its batch shard)
-            cfg = dataclasses.replace(self, num_layers=round(sdp.coverage * self.num_layers))
-        if self.num_experts:  # the tokens over the batch's axes; each expert's mlp split further (ep_tp)
-            lay = gpt_moe_cost.Layout.of(strategy)
-            devices, split = lay.size(mesh, lay.batch), lay.size(mesh, lay.mlp)
-        return gpt_remat_cost.recompute_flops(cfg, self.remat_policy(strategy), batch * seq, seq, devices, split)
-
-    def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
-        """`sk.plan`'s hook: why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
-        from models import gpt_cost, gpt_moe_cost
-
-        if self.num_experts:
-            return gpt_moe_cost.divisibility(self, strategy, mesh, global_batch)
-        if gpt_cost.sdp_options(strategy) is not None:
-            return gpt_cost.sdp_divisibility(strategy, self, mesh, global_batch)
-        return gpt_cost.divisibility(gpt_cost.formula(strategy) or "", self, mesh, global_batch)
 
 
 def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], cfg: GPTConfig, std: float) -> nnx.Param:

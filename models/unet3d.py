@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,29 +61,6 @@ class UNet3DConfig:
             s = size // 2**i
             macs += 27 * w[i + 1] * w[i] * s**3 + pair(2 * w[i], w[i], s)
         return 3 * 2 * (macs + w[0] * self.num_classes * size**3)
-
-    def cost_model(
-        self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
-    ) -> tuple[list, dict[str, float], str] | None:
-        """`sk.explain`'s and `sk.plan`'s hook: (collectives, memory, source) from models/unet3d_cost.py; None for a
-        strategy it does not model. Needs the volume's shape (`batch_shapes["volume"]`: the config has no size)."""
-        from models import unet3d_cost
-
-        family = unet3d_cost.formula(strategy)  # from the strategy's tables, not its name
-        if family is None:
-            return None
-        volume = next((v for k, v in batch_shapes.items() if k.strip("[]'") == "volume"), None)  # explain: "['volume']"
-        if volume is None or len(volume) != 5:
-            raise sk.ShardkitError(
-                f"UNet3D's cost model needs the volume's shape [batch, D, H, W, C] as batch_shapes['volume'], got "
-                f"{batch_shapes}; pass the batch (sk.explain does)"
-            )
-        batch, extents = volume[0], tuple(volume[1:4])
-        comms = unet3d_cost.comms(self, strategy, mesh, batch, extents, nbytes)
-        memory = unet3d_cost.memory(self, strategy, mesh, batch, extents, nbytes, backend)
-        unmodelled = conv3d.remat_unmodelled(strategy)
-        source = f"models/unet3d_cost.py ({family}: explicit halo exchange + gradient all-reduce{unmodelled})"
-        return comms, memory, source
 
     def min_size(self) -> int:
         """The input extent must be divisible by this (one halving per pooling)."""

@@ -1,9 +1,9 @@
 """The 3D U-Net's cost model: per-device halo and gradient traffic and activation memory of one train step.
 
 (The U-Net's counterpart of models/cosmoflow_cost.py, which it shares `formula` and the mesh-axis names with;
-models/unet3d.py names no mesh axis.) `UNet3DConfig.cost_model` (what `sk.explain` and `sk.plan` ask) calls
-`comms` and `memory` here for `dp` and the spatial strategies (`spatial`, `spatial_dp`, `*_halo`). Every layer of
-the U-Net keeps the volume layout, so every layer is split.
+models/unet3d.py names no mesh axis.) `UNet3DCostModel`, registered for UNet3DConfig (what `sk.explain` and
+`sk.plan` ask), calls `comms` and `memory` here for `dp` and the spatial strategies (`spatial`, `spatial_dp`,
+`*_halo`). Every layer of the U-Net keeps the volume layout, so every layer is split.
 
 - halos: per 3^3 conv and split axis, the explicit kernels' exchange (shardkit.parallel.spatial.halo_bytes): 2
   collective-permutes forward and their 2 transposes backward, except the first conv (its input is data). Pools
@@ -18,8 +18,11 @@ import math
 import types
 from typing import Any
 
+import shardkit as sk
+from models.conv3d import remat_unmodelled
 from models.cosmoflow_cost import SPATIAL_AXES, formula
-from shardkit.costmodel import Comm
+from models.unet3d import UNet3DConfig
+from shardkit.costmodel import Comm, CostModel, Terms
 from shardkit.parallel import spatial
 
 
@@ -121,3 +124,30 @@ def memory(cfg: Any, strategy: str, mesh: dict[str, int], batch: int, extents: t
     act = activation_bytes(cfg, strategy, mesh, batch, extents, nbytes, backend)
     mem = dict(params=params, grads=params, optimizer=2 * params, activations=act["activations"])
     return {**mem, "total": sum(mem.values()), "xla_cpu": act["xla_cpu"]}
+
+
+@sk.costmodel.register(UNet3DConfig)
+class UNet3DCostModel(CostModel):
+    """The U-Net's halos, gradients and memory per step (module docstring); None for a strategy not modelled.
+    Needs the volume's shape (`batch_shapes["volume"]`: the config has no size)."""
+
+    cfg: UNet3DConfig
+
+    def predict(
+        self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
+    ) -> Terms | None:
+        family = formula(strategy)  # from the strategy's tables, not its name
+        if family is None:
+            return None
+        volume = next((v for k, v in batch_shapes.items() if k.strip("[]'") == "volume"), None)  # explain: "['volume']"
+        if volume is None or len(volume) != 5:
+            raise sk.ShardkitError(
+                f"UNet3D's cost model needs the volume's shape [batch, D, H, W, C] as batch_shapes['volume'], got "
+                f"{batch_shapes}; pass the batch (sk.explain does)"
+            )
+        batch, extents = volume[0], tuple(volume[1:4])
+        comms_ = comms(self.cfg, strategy, mesh, batch, extents, nbytes)
+        memory_ = memory(self.cfg, strategy, mesh, batch, extents, nbytes, backend)
+        unmodelled = remat_unmodelled(strategy)
+        source = f"models/unet3d_cost.py ({family}: explicit halo exchange + gradient all-reduce{unmodelled})"
+        return comms_, memory_, source

@@ -38,6 +38,7 @@ from shardkit.rules import constrain, logical_to_spec, platform_family, scope, u
 from shardkit.step import TrainState, TrainStep
 from shardkit.strategies import STRATEGIES, BoundStrategy, Strategy, register_strategy, strategy
 from shardkit.targets import Target, keep_host_platforms, target
+from shardkit.traits import Traits  # what a strategy is, from its tables (Strategy.traits() is deprecated)
 
 keep_host_platforms()  # before JAX starts its backends: no libtpu probe on a host without a TPU (target.py)
 
@@ -69,6 +70,7 @@ __all__ = [
     "Target",
     "TrainState",
     "TrainStep",
+    "Traits",
     "abstract_model",
     "attention",
     "available_presets",

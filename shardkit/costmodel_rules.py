@@ -21,7 +21,7 @@ the GPT under a registered fsdp_mlp, cp_zigzag (data, seq) and pp_dp (data). Per
 Bytes are ring volumes per device (docs/algorithms.md §1), counts are one per (kind, axes): XLA combines the
 per-parameter collectives. Activation collectives (Megatron's all-reduces, ring attention's permutes, the halo
 exchange of a spatial convolution) depend on the model's computation, not on its parameters: they come from a
-model-side hook (`explain` asks the model config's `cost_model`) or are reported as not modelled.
+model's cost model (`explain` asks `sk.costmodel.for_config(model_cfg)`) or are reported as not modelled.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ Works for any model and batch: the batch is described by its leaves' shapes and 
 Collectives come from the partitioned HLO (`shardkit.hlo.collectives`: replica groups mapped back to mesh axes,
 loop bodies multiplied by their trip counts, ring bytes sent per device). Memory comes from
 `compiled.memory_analysis()`, with parameters and optimizer state split out from the state's shardings.
-Predictions: the model's own cost hook when it has one (`cfg.cost_model(strategy, mesh, batch_shapes, nbytes,
-backend)`; the GPT's covers dp, zero1, fsdp, tp, tp_sp, fsdp_tp, dp_fsdp_tp, tp3d with `shardkit.costmodel`),
-otherwise the parameter traffic and state memory that the strategy's rules tables imply, for any model and any
-registered strategy (`shardkit.costmodel_rules`); activation collectives without a hook are "not modelled".
+Predictions: the model's own cost model when it has one (`sk.costmodel.for_config(cfg).predict(strategy, mesh,
+batch_shapes, nbytes, backend)`, registered beside the model by config type; the GPT's, models/gpt_cost/, covers dp,
+zero1, fsdp, tp, tp_sp, fsdp_tp, dp_fsdp_tp, tp3d), otherwise the parameter traffic and state memory that the
+strategy's rules tables imply, for any model and any registered strategy (`shardkit.costmodel_rules`); activation
+collectives without a cost model are "not modelled".
 
 A plan for a mesh larger than the machine is explained on a smaller mesh (`explain(..., target_mesh=...)`,
 see experiments/explain.py) and its figures scaled: parameters and optimizer state exactly from the shardings'
@@ -36,6 +37,7 @@ import numpy as np
 from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, targets
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
 from shardkit.rules import MESH_AXES, platform_family
+from shardkit.traits import Traits
 
 _BRACKETS = "[]'"  # of a batch leaf's path, "['image']" -> image
 _MEM_ROWS = ("parameters", "optimizer_state", "temporaries", "outputs")
@@ -59,12 +61,12 @@ Prediction = tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], s
 def predict(
     strategy: Any, cfg: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
 ) -> Prediction | None:
-    """(kind, axis) -> (count, bytes per device), memory per device, and the source, from the model's cost hook
-    (`cfg.cost_model`); None when the model has none or it does not model this strategy."""
-    hook = getattr(cfg, "cost_model", None) if cfg is not None else None
-    if hook is None:
+    """(kind, axis) -> (count, bytes per device), memory per device, and the source, from the model's cost model
+    (`costmodel.for_config(cfg)`); None when the model has none or it does not model this strategy."""
+    model = costmodel.for_config(cfg)
+    if model is None:
         return None
-    out = hook(strategy, mesh, batch_shapes, nbytes, backend)
+    out = model.predict(strategy, mesh, batch_shapes, nbytes, backend)
     if out is None:
         return None
     comms, memory, source = out
@@ -289,8 +291,9 @@ def explain(
 ) -> Report:  # fmt: skip
     """Compiles `step` for (state, batch) — concrete arrays or ShapeDtypeStructs — and explains it.
 
-    `model_cfg`: an object with a `cost_model` hook for the predictions (default: the step's model's `cfg`);
-    without one, the prediction is what the strategy's rules tables imply for the parameters.
+    `model_cfg`: the model config whose registered cost model predicts (`sk.costmodel.register`), or a CostModel
+    (default: the step's model's `cfg`); without one, the prediction is what the strategy's rules tables imply for
+    the parameters.
     `target_mesh`: the plan's mesh when `step.mesh` is a scaled-down stand-in; adds SCALED figures.
     `remat_policies`: also compile the step under each of these remat policies (`none` is always added) and report
     each one's temporary memory and recomputed FLOPs (`remat_figures`, docs/memory.md).
@@ -318,7 +321,7 @@ def explain(
     nbytes = int(np.dtype(jax.tree.leaves(state.params)[0].dtype).itemsize)
     backend = platform
     notes = []
-    if platform == "cpu" and step.strategy.traits().reduce_scatters:
+    if platform == "cpu" and Traits.of(step.strategy).reduce_scatters:
         notes.append("XLA:CPU compiles GSPMD reduce-scatters as all-reduce + dynamic-slice ; "
                      "the cost model's CPU backend predicts the same")  # fmt: skip
     if getattr(step, "microbatches", 1) > 1:

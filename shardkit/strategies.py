@@ -23,7 +23,7 @@ import difflib
 import re
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -31,9 +31,6 @@ from shardkit.errors import ShardkitError
 from shardkit.offload import parse as offload_names
 from shardkit.rules import MESH_AXES as MESH_AXES  # re-exported: its home was this module
 from shardkit.rules import MeshAxes, normalize_rules, restrict_to_mesh, with_mesh_axis_names
-
-if TYPE_CHECKING:
-    from shardkit.traits import Traits
 
 #: Logical names the models in models/ use (models/axes.py) — every strategy says what each one does: the
 #: transformer's, then the CNNs' (`depth` is a volume's third spatial dimension; `classes` a classifier's output).
@@ -136,12 +133,6 @@ class Strategy:
             param_rules={**self.param_rules, **new}, compute_rules={**self.compute_rules, **new}, opt_rules=opt,
             path_rules=paths,
         )  # fmt: skip
-
-    def traits(self) -> Traits:
-        """What the cost model and `explain` read about this strategy: its tables and kernels, normalised."""
-        from shardkit.traits import Traits  # traits.py reads strategies, never the other way at import
-
-        return Traits.of(self)
 
     def mesh_axes(self) -> set[str]:
         """Every mesh axis any of the tables shards over."""

@@ -1,20 +1,20 @@
-"""What a strategy is, read from its tables and kernels rather than its name (`Strategy.traits()`).
+"""What a strategy is, read from its tables and kernels rather than its name: `Traits.of(strategy)`.
 
-The cost hooks (models/gpt_cost.py `formula`, models/cosmoflow_cost.py `formula`) and `sk.explain` decide from
-these which prediction applies, so a strategy registered under a new name with a built-in's tables gets the
+The cost models (models/gpt_cost/classify.py `formula`, models/cosmoflow_cost.py `formula`) and `sk.explain` decide
+from these which prediction applies, so a strategy registered under a new name with a built-in's tables gets the
 built-in's prediction, and one whose name looks like a built-in's but whose tables differ does not.
+
+Read in one direction: this module imports shardkit/strategies.py, never the other way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from shardkit.rules import MeshAxes
-
-if TYPE_CHECKING:
-    from shardkit.strategies import Strategy
+from shardkit.strategies import BoundStrategy, Strategy, strategy
 
 
 def _axes_of(table: Mapping[str, MeshAxes]) -> dict[str, tuple[str, ...]]:
@@ -23,9 +23,9 @@ def _axes_of(table: Mapping[str, MeshAxes]) -> dict[str, tuple[str, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class Traits:
-    """A strategy as its tables say it is, whatever its name (`Strategy.traits()`): per logical name the mesh axes
+    """A strategy as its tables say it is, whatever its name (`Traits.of(s)`): per logical name the mesh axes
     of the compute, parameter and optimizer-state rules (sharded names only), the step and the kernels. A model's
-    cost hook decides from these which of its formulas applies, so a strategy registered under a new name with
+    cost model decides from these which of its formulas applies, so a strategy registered under a new name with
     the tables of a built-in gets the built-in's prediction."""
 
     step: str
@@ -36,7 +36,10 @@ class Traits:
     scoped: bool  # Whale-style per-module rules (Strategy.scopes) override the tables somewhere
 
     @classmethod
-    def of(cls, s: Strategy) -> Traits:
+    def of(cls, s: Strategy | BoundStrategy | str) -> Traits:
+        """The traits of `s`, a Strategy or a registered strategy's name (a ShardkitError naming the registered
+        ones if it is unknown)."""
+        s = strategy(s)
         params = _axes_of(s.param_rules)
         opt = params if s.opt_rules is None else _axes_of(s.opt_rules)
         return cls(s.step, dict(s.kernels), _axes_of(s.compute_rules), params, opt, bool(s.scopes))
@@ -85,5 +88,17 @@ class Traits:
         which XLA:CPU compiles as an all-reduce plus a dynamic-slice."""
         return bool(self.gathered or self.optimizer_only or self.residual_sequence)
 
+
+def _deprecated_traits(self: Strategy) -> Traits:
+    """Deprecated: `Traits.of(strategy)` (shardkit/traits.py). What the cost models and `explain` read about this
+    strategy: its tables and kernels, normalised."""
+    warnings.warn("Strategy.traits() is deprecated and goes in the next release: use sk.Traits.of(strategy)",
+                  DeprecationWarning, stacklevel=2)  # fmt: skip
+    return Traits.of(self)
+
+
+# For one release `Strategy.traits()` still answers, attached from here so that strategies.py imports nothing
+# of this module (the arrow runs one way: traits -> strategies). `import shardkit` imports this module.
+Strategy.traits = _deprecated_traits  # type: ignore[attr-defined]
 
 __all__ = ["Traits"]

@@ -5,6 +5,7 @@ exercise end to end.
 """
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -15,7 +16,7 @@ from common import TINY
 
 import shardkit as sk
 from models.cosmoflow import CosmoFlowConfig
-from models.gpt import GPT
+from models.gpt import GPT, GPTConfig
 
 
 def test_make_train_step_runs_the_step_the_strategy_names():
@@ -56,11 +57,11 @@ def test_configure_applies_the_sections_named_after_the_step_and_kernels():
 )  # fmt: skip
 def test_a_copy_under_a_new_name_gets_the_originals_prediction(name, cfg, mesh, shapes):
     copy = sk.strategy(name).replace(name=f"my_{name}_copy")
-    original = cfg.cost_model(sk.strategy(name), mesh, shapes, 4, "cpu")
+    original = sk.costmodel.for_config(cfg).predict(sk.strategy(name), mesh, shapes, 4, "cpu")
     assert original is not None
-    got = cfg.cost_model(copy, mesh, shapes, 4, "cpu")
+    got = sk.costmodel.for_config(cfg).predict(copy, mesh, shapes, 4, "cpu")
     assert got[0] == original[0] and got[1] == original[1]  # comms rows and memory terms equal
-    assert copy.traits() == sk.strategy(name).traits()
+    assert sk.Traits.of(copy) == sk.Traits.of(name)
 
 
 def test_a_copy_of_cp_zigzag_gets_the_originals_explain_prediction():
@@ -79,9 +80,64 @@ def test_a_copy_of_cp_zigzag_gets_the_originals_explain_prediction():
 
 def test_a_strategy_the_formulas_do_not_describe_gets_none_whatever_its_name():
     # the GPT's tp formula under the name of a CNN strategy that splits channels: not Megatron, so no formula
-    assert TINY.cost_model(sk.strategy("tp_channels").replace(name="tp"), {"data": 4, "tensor": 2},
-                           {"inputs": (16, 32)}, 4, "cpu") is None  # fmt: skip
-    assert sk.strategy("fsdp").traits().reduce_scatters and not sk.strategy("dp").traits().reduce_scatters
+    channels, gpt = sk.strategy("tp_channels").replace(name="tp"), sk.costmodel.for_config(TINY)
+    assert gpt.predict(channels, {"data": 4, "tensor": 2}, {"inputs": (16, 32)}, 4, "cpu") is None
+    assert sk.Traits.of("fsdp").reduce_scatters and not sk.Traits.of("dp").reduce_scatters
+
+
+def test_a_cost_model_is_found_by_the_configs_type_and_a_config_with_the_old_hooks_still_plans():
+    gpt = sk.costmodel.for_config(TINY)  # registered beside the model (models/gpt_cost/model.py)
+    assert type(gpt).__name__ == "GPTCostModel" and gpt.cfg is TINY and sk.costmodel.for_config(gpt) is gpt
+    assert sk.costmodel.for_config(object()) is None and sk.costmodel.for_config(None) is None
+
+    @dataclasses.dataclass(frozen=True)
+    class MyGPTConfig(GPTConfig):  # a subclass without a cost model of its own: its base's
+        pass
+
+    assert type(sk.costmodel.for_config(MyGPTConfig(**dataclasses.asdict(TINY)))) is type(gpt)
+
+    class Toy:
+        pass
+
+    @sk.costmodel.register(Toy)
+    class ToyCost(sk.costmodel.CostModel):
+        plan_strategies = ("dp",)
+
+        def predict(self, strategy, mesh, batch_shapes, nbytes, backend):
+            b = sk.costmodel.CommBuilder(mesh, ("data",), backend)
+            b.add("all-reduce", "data", 1e6, 1, "gradients")
+            return b.comms(), {"params": 1.0, "grads": 1.0, "optimizer": 2.0, "activations": 0.0, "total": 4.0}, "toy"
+
+    try:
+        (only,) = sk.plan(Toy(), devices=8, hardware="perlmutter", global_batch=8)
+        assert (only.strategy, only.mesh, only.remat) == ("dp", {"data": 8}, "none")  # not models_remat: "none" only
+        assert only.comm_bytes == pytest.approx(2 * 7 / 8 * 1e6)  # the ring all-reduce of 1 MB over 8
+    finally:
+        sk.costmodel.protocol._REGISTRY.pop(Toy)
+    with pytest.raises(sk.ShardkitError, match=r"not a sk\.costmodel\.CostModel"):
+        sk.costmodel.register(Toy)(object)
+
+    class OldHooks:  # the protocol before CostModel: the hooks on the config itself (deprecated, one release)
+        cost_model = lambda self, *args: gpt.predict(*args)
+        indivisible = lambda self, *args: gpt.indivisible(*args)
+
+    args = dict(devices=8, hardware="perlmutter", global_batch=16, seq_len=32, remat=None, include_rejected=True)
+    with pytest.warns(DeprecationWarning, match=r"register a sk\.costmodel\.CostModel"):
+        old = sk.plan(OldHooks(), **args)
+    assert old == sk.plan(TINY, **args) and len(old) > 5
+
+
+def test_traits_read_in_one_direction_and_strategy_traits_is_deprecated():
+    with pytest.warns(DeprecationWarning, match=r"sk\.Traits\.of\(strategy\)"):
+        assert sk.strategy("tp").traits() == sk.Traits.of("tp") == sk.Traits.of(sk.strategy("tp"))
+    # a model never imports its cost model (the cost model imports the model; models/__init__.py imports both)
+    root = Path(__file__).resolve().parent.parent / "models"
+    for path in root.glob("*.py"):
+        if path.stem.endswith("_cost") or path.stem == "__init__":
+            continue
+        names = [n.module or "" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)]
+        names += [a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names]
+        assert not [n for n in names if "_cost" in n or "costmodel" in n], path
 
 
 # ------------------------------------------------------------------------------------------------------------

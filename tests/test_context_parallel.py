@@ -297,7 +297,7 @@ def reference():
 def test_every_context_parallel_strategy_is_covered():
     # context parallelism: the sequence split everywhere and a context-parallel attention kernel ('annotated'
     # shards whatever a model names `seq`, with dense attention)
-    cp = {s for s, v in sk.STRATEGIES.items() if v.traits().sequence and v.kernels["attention"] != "dense"}
+    cp = {s for s, v in sk.STRATEGIES.items() if sk.Traits.of(v).sequence and v.kernels["attention"] != "dense"}
     assert cp == set(MESHES)
 
 

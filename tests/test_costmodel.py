@@ -22,6 +22,7 @@ import shardkit as sk
 from models import gpt_cost as gc
 from models.cosmoflow import CosmoFlowConfig
 from models.gpt import GPT, GPTConfig
+from models.gpt_cost import memory as gm
 from shardkit import costmodel as cm
 from shardkit import hlo, tensor3d
 from shardkit.mesh import HardwarePreset, Link
@@ -135,11 +136,11 @@ def test_axonn_variant_uses_the_published_tables():
 
 def test_memory_follows_zero_and_tp3d_shards_state_over_the_three_tensor_axes():
     cfg, psi = STACK, STACK.num_params()
-    dp = gc.memory("dp", cfg, {"data": 8}, 8, 4)
+    dp = gm.memory("dp", cfg, {"data": 8}, 8, 4)
     assert dp["params"] + dp["grads"] + dp["optimizer"] == pytest.approx(16 * psi)  # ZeRO baseline 16 Psi
-    fsdp = gc.memory("fsdp", cfg, {"fsdp": 8}, 8, 4)
+    fsdp = gm.memory("fsdp", cfg, {"fsdp": 8}, 8, 4)
     assert fsdp["params"] + fsdp["grads"] + fsdp["optimizer"] == pytest.approx(16 * psi / 8)  # ZeRO-3
-    t3 = gc.memory("tp3d", cfg, {"data": 2, "depth": 2, "row": 2, "col": 1}, 8, 4)
+    t3 = gm.memory("tp3d", cfg, {"data": 2, "depth": 2, "row": 2, "col": 1}, 8, 4)
     assert t3["params"] == pytest.approx(2 * psi / 4)
     # Korthikanti adapted: with the tensor axes at 1 the block's activations are the unsharded ones
     one, rope = gc.activation_bytes(cfg, 1, 4, 1, 1), 2 * cfg.head_dim * 4  # RoPE's fp32 sin / cos: not split
@@ -173,7 +174,7 @@ def test_plan_bad_input(kwargs, match):
 
 
 def test_plan_needs_the_models_cost_hook():
-    with pytest.raises(sk.ShardkitError, match=r"has no cost_model\(strategy, mesh, batch_shapes, nbytes, backend\)"):
+    with pytest.raises(sk.ShardkitError, match=r"has no cost model; register one beside the model"):
         cm.plan(object(), devices=8, hardware="perlmutter", global_batch=8, seq_len=16)
 
 
@@ -182,7 +183,7 @@ def test_plan_tries_by_default_the_strategies_the_models_formulas_cover():
     CosmoFlow's dp and explicit-halo spatial split (a model's formulas answer for no other strategy)."""
     args = dict(devices=8, global_batch=16, include_rejected=True)
     dense = cm.plan(TINY, hardware="perlmutter", seq_len=32, **args)
-    assert {p.strategy for p in dense} == set(cm.DEFAULT_STRATEGIES) == set(TINY.plan_strategies)
+    assert {p.strategy for p in dense} == set(cm.DEFAULT_STRATEGIES) == set(cm.for_config(TINY).plan_strategies)
     moe = cm.plan(dataclasses.replace(TINY, num_experts=4, top_k=2), hardware="perlmutter", seq_len=32, **args)
     assert {p.strategy for p in moe} == {"ep", "ep_tp", "ep_fsdp"}
     cosmo = cm.plan(CosmoFlowConfig(size=32, spatial_blocks=2), hardware="lassen", **args)
@@ -200,7 +201,7 @@ def test_combined_strategies_compose_their_parts_and_unknown_ones_are_refused():
     assert {k: v for k, v in both.items() if k[1] == "tensor"} == {k: v for k, v in tp.items() if k[1] == "tensor"}
     z, dp = rows("zero1", {"data": 8}), rows("dp", {"data": 8})
     assert z[("reduce-scatter", "data")] + z[("all-gather", "data")] == pytest.approx(dp[("all-reduce", "data")])
-    zmem, dpmem = (gc.memory(s, TINY, {"data": 8}, 16, 32, 4) for s in ("zero1", "dp"))
+    zmem, dpmem = (gm.memory(s, TINY, {"data": 8}, 16, 32, 4) for s in ("zero1", "dp"))
     assert zmem["optimizer"] * 8 == pytest.approx(dpmem["optimizer"]) and zmem["params"] == dpmem["params"]
     with pytest.raises(sk.ShardkitError, match=r"no formula for strategy 'cp_zigzag'"):
         gc.strategy_comms("cp_zigzag", TINY, {"seq": 8}, 16, 32)
@@ -210,7 +211,7 @@ def test_a_chunked_loss_keeps_one_chunk_of_logits():
     """GPTConfig.loss_chunk: the activations hold one chunk of each sequence's fp32 logits and softmax, not all."""
     cfg = GPTConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=512,
                     max_seq_len=256)  # fmt: skip
-    whole = gc.memory("fsdp", cfg, {"data": 2, "fsdp": 4}, 16, 256, 4)["activations"]
-    chunked = gc.memory("fsdp", dataclasses.replace(cfg, loss_chunk=64), {"data": 2, "fsdp": 4}, 16, 256, 4)
+    whole = gm.memory("fsdp", cfg, {"data": 2, "fsdp": 4}, 16, 256, 4)["activations"]
+    chunked = gm.memory("fsdp", dataclasses.replace(cfg, loss_chunk=64), {"data": 2, "fsdp": 4}, 16, 256, 4)
     tokens = 16 // 8 * 256  # a device's
     assert whole - chunked["activations"] == tokens * (1 - 64 / 256) * 512 * 4 * 2

@@ -1,8 +1,8 @@
 """The GPT's cost model (backend "tpu") against XLA's TPU compiler, one compile per strategy (issue 39, item 5).
 
 Each strategy's train step (fp32 GPT, AdamW) is compiled for a v5e target by libtpu on this host (`sk.explain`,
-no TPU) and its collectives and temporaries are compared with `GPTConfig.cost_model(..., backend="tpu")`
-(models/gpt_cost.py, models/gpt_moe_cost.py: each TPU term is written down there with its evidence).
+no TPU) and its collectives and temporaries are compared with the GPT's cost model's `predict(..., backend="tpu")`
+(models/gpt_cost/tpu.py, models/gpt_cost/moe.py: each TPU term is written down there with its evidence).
 
 The shape: 2 x 256 (4 heads), seq 1024, batch 32 — the smallest tried whose temporaries live in HBM (2 x 256,
 seq 512, batch 16 reports 4-10 MiB of temporaries against about 90 MiB kept: the residual stacks fit the core's

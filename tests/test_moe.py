@@ -137,7 +137,7 @@ def test_gpt_moe_training_equals_one_device(name, spec):
             state, m = step(state, batch)
             losses.append(float(m["loss"]))
         results[key] = losses, jax.tree.map(np.asarray, state.params), compiled, mesh, m
-        if key != "one":  # sk.explain: the collectives predicted by formula (models/gpt_moe_cost.py) vs compiled
+        if key != "one":  # sk.explain: the collectives predicted by formula (models/gpt_cost/moe.py) vs compiled
             report = sk.explain(step, state, batch)
             n, b = report.predicted_comms["all-to-all", "expert"]
             got = [c for c in report.collectives if c.kind == "all-to-all"]

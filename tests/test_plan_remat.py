@@ -1,6 +1,6 @@
 """The planner trades memory for time: per-remat-policy memory and recompute cost of the GPT, `sk.plan(remat=)`.
 
-The per-policy formulas (models/gpt_remat_cost.py, gpt_cost.py, gpt_moe_cost.py) are checked against XLA for the
+The per-policy formulas (models/gpt_cost/remat.py, memory.py, moe.py) are checked against XLA for the
 dense GPT under fsdp and the MoE GPT under ep, on 8 CPU devices:
 
 - recomputed matmul FLOPs, exactly (and the MoE's all-to-alls, which any policy but `none` runs 6 times per layer
@@ -28,8 +28,9 @@ from common import TINY
 
 import shardkit as sk
 from models import gpt_cost as gc
-from models import gpt_remat_cost as grc
 from models.gpt import GPT, GPTConfig
+from models.gpt_cost import memory as gm
+from models.gpt_cost import remat as grc
 from shardkit import costmodel as cm
 from shardkit import hlo
 
@@ -45,7 +46,7 @@ def test_plans_that_fit_only_with_remat_are_ranked_with_their_recompute_cost():
     remat_only, peak = [p for p in fits if p.remat != "none"], sk.load_preset("perlmutter").peak_flops
     assert remat_only and all(p.recompute_flops > 0 and p.recompute_time_s > 0 for p in remat_only)
     for p in remat_only:  # without remat the same plan is over the memory cap: it fits only with remat
-        none = gc.memory(gc.formula(p.strategy), BIG, p.mesh, 16, 2048, 2, remat="none")
+        none = gm.memory(gc.formula(p.strategy), BIG, p.mesh, 16, 2048, 2, remat="none")
         assert none["total"] > 0.9 * sk.load_preset("perlmutter").hbm_bytes >= p.memory["total"]
         assert p.step_time_s == pytest.approx(p.comm_time_s + p.recompute_flops / (peak * 0.5))  # efficiency 0.5
     plain = cm.plan(BIG, **args, remat=("none",))  # the same (strategy, mesh) without remat: rejected
@@ -61,20 +62,20 @@ def test_plans_that_fit_only_with_remat_are_ranked_with_their_recompute_cost():
 
 def test_policies_order_memory_against_recompute():
     mesh, tokens = {"data": 2, "fsdp": 4}, 64 * 2048
-    acts = {p: gc.memory("fsdp", BIG, mesh, 64, 2048, 2, remat=p)["activations"] for p in grc.POLICIES}
+    acts = {p: gm.memory("fsdp", BIG, mesh, 64, 2048, 2, remat=p)["activations"] for p in grc.POLICIES}
     flops = {p: grc.recompute_flops(BIG, p, tokens, 2048, 8) for p in grc.POLICIES}
     order = ["none", "dots", "dots_no_batch", "full"]  # memory falls, recompute grows
     assert all(acts[a] > acts[b] and flops[a] < flops[b] for a, b in itertools.pairwise(order))
     assert flops["none"] == 0
-    tags = gc.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="names:qkv_proj,mlp_hidden")["activations"]
+    tags = gm.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="names:qkv_proj,mlp_hidden")["activations"]
     assert acts["full"] < tags < acts["none"]
     # offload: the tagged tensors in host memory (the device keeps what `full` keeps), recomputed as `names:`
-    off = gc.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="offload:qkv_proj,mlp_hidden")["activations"]
+    off = gm.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="offload:qkv_proj,mlp_hidden")["activations"]
     assert off == acts["full"]
     named = [grc.recompute_flops(BIG, f"{p}:qkv_proj,mlp_hidden", tokens, 2048, 8) for p in ("names", "offload")]
     assert named[0] == named[1] < flops["full"]
     with pytest.raises(sk.ShardkitError, match="tags no"):
-        gc.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="names:nope")
+        gm.memory("fsdp", BIG, mesh, 64, 2048, 2, remat="names:nope")
 
 
 MOE = GPTConfig(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=64,
@@ -95,7 +96,7 @@ POLICIES = ("none", "full", "dots", "dots_no_batch", "names:qkv_proj", "names:ou
 def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes, shape, checked):
     mesh, devices = sk.make_mesh(mesh_axes), math.prod(mesh_axes.values())
     abstract = sk.abstract_model(lambda rngs: GPT(cfg, rngs=rngs), 0)
-    temp, matmuls, pred = {}, {}, {}
+    temp, matmuls, pred, cost = {}, {}, {}, sk.costmodel.for_config(cfg)
     for policy in ("none", *checked) if name == "ep_tp" else POLICIES:  # ep_tp: a subset (parametrize's comment)
         strategy = sk.strategy(name).replace(kernels={"remat": policy})
         strategy.bind(mesh)
@@ -103,7 +104,7 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
         tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=step.batch_sharding)
         compiled = step.lower(step.abstract_state(), {"inputs": tokens, "targets": tokens}).compile()
         temp[policy], matmuls[policy] = compiled.memory_analysis().temp_size_in_bytes, hlo.matmul_flops(compiled)
-        comms, memory, _ = cfg.cost_model(strategy, mesh_axes, {"inputs": shape}, 4, "cpu")
+        comms, memory, _ = cost.predict(strategy, mesh_axes, {"inputs": shape}, 4, "cpu")
         pred[policy] = memory["activations"]
         if cfg.num_experts:  # the all-to-alls: a remat policy re-runs the forward's two per layer
             colls = hlo.collectives(compiled, mesh)
@@ -116,6 +117,6 @@ def test_recompute_and_freed_memory_match_the_compiled_step(cfg, name, mesh_axes
         split = mesh_axes.get("tensor", 1)  # ep_tp: attention, router, dispatch replicated over tensor
         per_token = grc.recompute_per_token(cfg, policy, shape[1], split)[0]
         assert matmuls[policy] - matmuls["none"] == per_token * math.prod(shape) / (devices // split), policy
-        assert (cfg.recompute_flops(strategy, mesh_axes, {"inputs": shape}) > 0) == (policy != "none")
+        assert (cost.recompute_flops(strategy, mesh_axes, {"inputs": shape}) > 0) == (policy != "none")
     for policy in checked:
         assert pred["none"] - pred[policy] == pytest.approx(temp["none"] - temp[policy], rel=0.10), policy

@@ -152,9 +152,10 @@ def test_the_gpt_alias_is_the_slot_and_a_conflict_is_an_error():
 
 def test_the_gpt_cost_model_reads_full_remat_from_the_slot_as_from_the_alias():
     mesh, shapes = {"data": 2, "fsdp": 4}, {"inputs": (16, 32), "targets": (16, 32)}
-    slot = TINY.cost_model(sk.strategy("fsdp").replace(kernels={"remat": "full"}), mesh, shapes, 4, "cpu")[1]
-    alias = dataclasses.replace(TINY, remat="full").cost_model("fsdp", mesh, shapes, 4, "cpu")[1]
-    assert slot == alias and slot != TINY.cost_model("fsdp", mesh, shapes, 4, "cpu")[1]
+    predict = lambda cfg, s: sk.costmodel.for_config(cfg).predict(s, mesh, shapes, 4, "cpu")[1]
+    slot = predict(TINY, sk.strategy("fsdp").replace(kernels={"remat": "full"}))
+    alias = predict(dataclasses.replace(TINY, remat="full"), "fsdp")
+    assert slot == alias and slot != predict(TINY, "fsdp")
 
 
 def test_matmul_flops_counts_each_loop_trip_and_convolutions():

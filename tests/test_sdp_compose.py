@@ -81,7 +81,7 @@ def test_composed_step_equals_per_worker_reference_and_memory_formula(mesh_spec,
     for kind, axis in inner.items():
         assert (kind, (axis,)) in kinds, kinds
     # holder averaging array by array on each device's shard: the permutes' bytes are the formula's, and sk.plan's
-    # GPT formula (models/gpt_cost.py) predicts the same bytes and the same parameter memory
+    # GPT formula (models/gpt_cost/sdp.py) predicts the same bytes and the same parameter memory
     permutes = [c for c in colls if c.kind == "collective-permute" and c.axes == ("data",)]
     sent = sum(c.bytes_sent for c in permutes)
     assert sent == step.bytes_per_step(4)["permute_bytes"] > 0

@@ -328,7 +328,7 @@ def test_per_group_batchnorm_equals_its_one_device_form(references: dict) -> Non
 
 
 def test_explain_adds_the_halo_kernels_reported_permutes_for_a_model_without_a_cost_hook() -> None:
-    """Without a cost hook (model_cfg without one; the U-Net's own is models/unet3d_cost.py) explain predicts from
+    """Without a cost model (model_cfg without one; the U-Net's own is models/unet3d_cost.py) explain predicts from
     the rules tables, plus the permutes the halo kernels report while traced (sk.kernels.recording), which equal
     the compiled ones; also when the step was lowered before (jax's trace cache runs no Python then: the step kept
     the reports of its first trace). The U-Net's hook predicts the same permutes."""
@@ -350,7 +350,7 @@ def test_explain_adds_the_halo_kernels_reported_permutes_for_a_model_without_a_c
 
 
 def test_cost_model_predicts_the_compiled_halos_and_plans_spatial_splits() -> None:
-    """CosmoFlow's cost hook (models/cosmoflow_cost.py) = the compiled explicit halo permutes, per axis, count and
+    """CosmoFlow's cost model (models/cosmoflow_cost.py) = the compiled explicit halo permutes, per axis, count and
     bytes; sk.plan ranks data x spatial splits of a 512^3 CosmoFlow on a 2048-GPU preset."""
     mesh = sk.make_mesh("data=2,space=2,space_h=2")
     net = sk.sharded_init(lambda rngs: CosmoFlow(COSMO, rngs=rngs), mesh, "spatial_dp_halo", seed=0)

@@ -41,20 +41,21 @@ def test_predicted_activations_are_the_compiled_temporaries(model: str, spec: st
     compiled = step.lower(step.abstract_state(), batch).compile(DEFAULT_FUSION)
     temp = compiled.memory_analysis().temp_size_in_bytes
     shapes = {k: v.shape for k, v in batch.items()}
-    _, mem, source = cfg.cost_model(strategy, dict(mesh.shape), shapes, 4, "cpu")
+    cost = sk.costmodel.for_config(cfg)
+    _, mem, source = cost.predict(strategy, dict(mesh.shape), shapes, 4, "cpu")
     assert source.startswith(f"models/{model}_cost.py")
     assert 0.9 <= mem["activations"] / temp <= 1.1, (mem, temp)
     # the XLA:CPU-only terms are part of the CPU figure, and not of a GPU's
-    _, gpu, _ = cfg.cost_model(strategy, dict(mesh.shape), shapes, 4, "gpu")
+    _, gpu, _ = cost.predict(strategy, dict(mesh.shape), shapes, 4, "gpu")
     assert 0 < mem["xla_cpu"] < mem["activations"] and gpu["xla_cpu"] == 0
     # the formulas are remat none's, and say so when the strategy sets another policy (docs/spatial.md, Remat)
-    _, _, remat_source = cfg.cost_model(sk.strategy(strategy).replace(kernels={"remat": "full"}), dict(mesh.shape),
-                                        shapes, 4, "cpu")  # fmt: skip
+    _, _, remat_source = cost.predict(sk.strategy(strategy).replace(kernels={"remat": "full"}), dict(mesh.shape),
+                                      shapes, 4, "cpu")  # fmt: skip
     assert "not modelled" not in source and "remat full not modelled" in remat_source
 
 
 def test_the_unet_cost_model_needs_the_volume_shape() -> None:
     """sk.plan passes only the batch size ({"batch": (B,)}); the U-Net's config has no size to take it from."""
     with pytest.raises(sk.ShardkitError, match=r"needs the volume's shape \[batch, D, H, W, C\].*\{'batch': \(8,\)\}"):
-        UNET.cost_model("spatial_halo", {"space": 2}, {"batch": (8,)}, 4, "gpu")
-    assert UNET.cost_model("fsdp", {"fsdp": 8}, {"volume": (8, 16, 16, 16, 1)}, 4, "gpu") is None  # not modelled
+        sk.costmodel.for_config(UNET).predict("spatial_halo", {"space": 2}, {"batch": (8,)}, 4, "gpu")
+    assert sk.costmodel.for_config(UNET).predict("fsdp", {"fsdp": 8}, {"volume": (8, 16, 16, 16, 1)}, 4, "gpu") is None

@@ -8,7 +8,7 @@ For all 20 factorisations (G_x, G_y, G_z, G_d) of 8 devices (mesh data, depth, r
 2. gpt: one SGD train step of a small GPT under the `tp3d` strategy (GSPMD rules); predicted =
    `strategy_comms("tp3d", gspmd=True)`: the four projections (CPU: GSPMD's depth reduce-scatter counted as
    all-reduce, weights re-gathered in the scan's backward) + embedding, RMSNorms, head, vocab-parallel
-   cross-entropy and loss / grad-norm scalars (`models/gpt_cost.py`) vs the HLO; median step time over --steps.
+   cross-entropy and loss / grad-norm scalars (`models/gpt_cost/comms.py`) vs the HLO; median step time over --steps.
 3. Spearman rank correlation (numpy, average ranks for ties) of predicted bytes vs measured GPT step time.
 4. The planner's top three plans for a 7.2B GPT (LLaMA-3-8B-like shape) on 64 and 1024 Perlmutter GPUs.
 Writes the JSON and a scatter PNG (predicted vs HLO bytes) next to it. On CPU the 8 "devices" share the host's

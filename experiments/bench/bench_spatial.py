@@ -108,8 +108,9 @@ def memory_model_rows() -> list[dict[str, Any]]:
             step = sk.make_train_step(sk.abstract_model(make), optax.sgd(0.01), mesh, strategy)
             batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
             temp = int(step.lower(step.abstract_state(), batch).compile().memory_analysis().temp_size_in_bytes)
-            _, mem, _ = cfg.cost_model(strategy, dict(mesh.shape), {k: v[0] for k, v in shapes.items()}, 4, "cpu")
-            _, gpu, _ = cfg.cost_model(strategy, dict(mesh.shape), {k: v[0] for k, v in shapes.items()}, 4, "gpu")
+            cost, sizes = sk.costmodel.for_config(cfg), {k: v[0] for k, v in shapes.items()}
+            _, mem, _ = cost.predict(strategy, dict(mesh.shape), sizes, 4, "cpu")
+            _, gpu, _ = cost.predict(strategy, dict(mesh.shape), sizes, 4, "gpu")
             rows.append(dict(model=name, degree=degree, strategy=strategy, mesh=spec, temp_bytes=temp,
                              predicted_bytes=mem["activations"], ratio=mem["activations"] / temp,
                              xla_cpu_share=mem["xla_cpu"] / mem["activations"],
@@ -145,7 +146,7 @@ def step_row(spec: str, strategy: str, reps: int, batch: dict[str, np.ndarray]) 
                )  # fmt: skip
     total = row["permute_bytes"] + row["all_reduce_bytes"] + row["other_bytes"]
     row["halo_share"] = row["permute_bytes"] / total if total else 0.0
-    est = COSMO.cost_model(strategy, dict(mesh.shape), {"volume": (BATCH,)}, 4, "cpu")
+    est = sk.costmodel.for_config(COSMO).predict(strategy, dict(mesh.shape), {"volume": (BATCH,)}, 4, "cpu")
     row["estimated_activation_bytes"] = est[1]["activations"] if est else None
     return row
 

@@ -6,7 +6,7 @@ target compiled from this machine (no TPU needed; libtpu from the dev extras).
 
 For the GPT (models/gpt.py) under each strategy on the target's 8 chips, the train step (AdamW, fp32) is compiled by
 the TPU compiler and `sk.explain` reads back its collectives (kind and mesh axis, bytes sent per device: ring
-volume) and memory (`memory_analysis()`), next to the GPT's cost model (models/gpt_cost.py, backend "tpu").
+volume) and memory (`memory_analysis()`), next to the GPT's cost model (models/gpt_cost/, backend "tpu").
 Prints, per strategy, compiled / predicted for the temporaries and for the collective bytes of each (kind, axis),
 and the totals; writes JSON. The shape is chosen so that the temporaries live in HBM (the TPU compiler keeps small
 buffers in on-chip memory, where `temp_size_in_bytes` does not count them: a 2 x 128 GPT reports 0 B).

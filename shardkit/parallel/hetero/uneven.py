@@ -32,6 +32,7 @@ from shardkit.deprecation import renamed
 from shardkit.errors import ShardkitError
 from shardkit.strategies import register_strategy
 from shardkit.strategies import strategy as named
+from shardkit.traits import Traits
 
 
 def _positive(name: str, values: Sequence[float], n: int | None = None) -> list[float]:
@@ -315,7 +316,7 @@ def plan_on_groups(p: Any, model_cfg: Any, hw: Any, batch: int, seq_len: int | N
     balanced compute time and the pipeline's min-max cut attached, and is refused if no split fits in memory."""
     if not hw.groups or not hasattr(model_cfg, "flops_per_token" if seq_len else "flops_per_example"):
         return p
-    t = named(p.strategy).traits()
+    t = Traits.of(p.strategy)
     devices = math.prod(p.mesh.values())
     if t.step != "gspmd" or t.params or set(p.mesh) - set(t.batch) or len(hw.device_speeds()) != devices:
         return p

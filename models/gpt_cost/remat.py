@@ -1,13 +1,13 @@
 """The GPT's memory and recompute cost per remat policy: what `sk.plan` trades when a plan fits only with remat.
 
-(A companion of models/gpt_cost.py, which calls `saved_bytes` for the activations of its `memory`; the policies
+(A companion of models/gpt_cost/memory.py, which calls `saved_bytes` for the activations of its `memory`; the policies
 are the `remat` kernel slot's, shardkit/layers.py and docs/memory.md.)
 
 Saved activations of one block, elements per token on one device (e = d_model, n heads, k kv heads, hd head
 dim, f mlp dim, s sequence; `es` / `hs` the splits of the embed / head-and-mlp names), after Korthikanti et al.
 2205.05198 §4-5 (their "selective" and "full" recomputation):
 
-- none: `gpt_cost.activation_bytes` (Korthikanti's Table 2 itemised for our block) for every block, + one
+- none: `memory.activation_bytes` (Korthikanti's Table 2 itemised for our block) for every block, + one
   block's worth for the backward's working set (the gradients of one block's activations).
 - full: each block's input e/es (the scan's carry, Korthikanti's 2sbh per layer), plus ONE block's activations
   while its backward recomputes it (the working set, counted once, not per layer).
@@ -45,12 +45,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from models.gpt_remat import REMAT_ALIASES
 from shardkit.errors import ShardkitError
 from shardkit.layers import REMAT_CHOICES, REMAT_POLICIES, remat_names
+from shardkit.parallel.moe import capacity
 
 #: elementwise FLOPs per element of the recomputed non-matmul work (the convention above)
 NORM, ROPE, SOFTMAX, SWIGLU = 5, 6, 5, 5
 POLICIES = REMAT_POLICIES  # + "names:<a,b>", "offload:<a,b>" (REMAT_CHOICES)
+
+
+def alias_policy(cfg: Any) -> str:
+    """The remat policy the config's `remat` alias means (models/gpt_remat.py REMAT_ALIASES; "none" without one)."""
+    return REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none")
 
 
 def _shape(cfg: Any) -> tuple[int, int, int, int, int]:
@@ -68,7 +75,7 @@ def saved_bytes(
     cfg: Any, policy: str, tokens: float, seq_len: int, es: int, hs: int, nbytes: int, block_bytes: float
 ) -> float:
     """Activation bytes all `cfg.num_layers` blocks keep for the backward under remat `policy` (module doc);
-    `block_bytes` = one block's activations without remat (`gpt_cost.activation_bytes`)."""
+    `block_bytes` = one block's activations without remat (`memory.activation_bytes`)."""
     e, n, k, hd, f = _shape(cfg)
     L, base = int(cfg.num_layers), policy.partition(":")[0]
     if base == "none":
@@ -96,8 +103,6 @@ def moe_flops_per_token(cfg: Any, seq_len: int) -> dict[str, float]:
     """One MoE block's forward matmul FLOPs per token: the router, the dispatch and the combine einsums (2·E·C·d
     each), and the experts' SwiGLU over the E·C capacity slots of a sequence (about k·cf·S of them, E·S when
     dropless); and `hidden`, the experts' SwiGLU width per token (f·E·C / S)."""
-    from shardkit.parallel.moe import capacity
-
     e, f, x = int(cfg.d_model), int(cfg.mlp_dim), int(cfg.num_experts)
     slots = x * capacity(seq_len, x, cfg.top_k, cfg.capacity_factor, cfg.dropless)  # per sequence
     return {"router": 2 * e * x, "dispatch": 2 * slots * e, "combine": 2 * slots * e,
@@ -139,5 +144,5 @@ def recompute_flops(
     return sum(recompute_per_token(cfg, policy, seq_len, expert_split)) * global_tokens / devices
 
 
-__all__ = ["POLICIES", "moe_flops_per_token", "recompute_flops", "recompute_per_token", "saved_bytes",
+__all__ = ["POLICIES", "alias_policy", "moe_flops_per_token", "recompute_flops", "recompute_per_token", "saved_bytes",
            "tagged_elements"]  # fmt: skip

@@ -1,7 +1,8 @@
 """The MoE GPT's cost model under expert parallelism (ep, ep_gspmd, ep_tp, ep_fsdp): the all-to-alls, the
-memory per remat policy and the divisibility of its shapes; the companion of models/gpt_cost.py for a GPT with
-`num_experts` > 0 (`GPTConfig.cost_model` calls these). The mesh axes come from the strategy's tables
-(`Layout.of`: where the experts, the batch, each expert's mlp and the gathered parameters go), never its name.
+memory per remat policy and the divisibility of its shapes; the companion of the dense formulas (comms.py,
+memory.py) for a GPT with `num_experts` > 0 (models/gpt_cost/model.py calls these). The mesh axes come from the
+strategy's tables (`Layout.of`: where the experts, the batch, each expert's mlp and the gathered parameters go),
+never its name.
 Measured against the compiled step: tests/test_moe.py (the all-to-alls), tests/test_plan_remat.py
 (the all-to-alls under remat, and what each remat policy frees: measured -1% to +5%, asserted within 10%).
 """
@@ -12,11 +13,14 @@ import dataclasses
 import math
 from typing import Any
 
-import shardkit as sk
-from models import gpt_remat_cost, gpt_tpu_cost
-from models.gpt_cost import activation_bytes, logit_tokens
+from models.gpt_cost.memory import activation_bytes
+from models.gpt_cost.remat import alias_policy, moe_flops_per_token, saved_bytes
+from models.gpt_cost.shapes import logit_tokens
+from models.gpt_cost.tpu import working_set_in_hbm
 from shardkit.costmodel import Comm, CommBuilder
 from shardkit.layers import remat_names
+from shardkit.parallel.moe import capacity
+from shardkit.traits import Traits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,7 @@ class Layout:
 
     @classmethod
     def of(cls, strategy: Any) -> Layout:
-        t = sk.strategy(strategy).traits()
+        t = Traits.of(strategy)
         experts = t.axes("experts")
         return cls(experts, t.batch, tuple(a for a in t.axes("mlp") if a not in experts), t.gathered)
 
@@ -69,8 +73,6 @@ def comms(
     Not modelled: the scalars' and the router's small exchanges (about 1% of the bytes at the tested sizes). XLA
     may group some reductions differently (ep_fsdp: part of the replicated weights' over fsdp and expert at once);
     tests/test_moe.py compares each kind's bytes with the compiled step's."""
-    from shardkit.parallel.moe import capacity
-
     lay = Layout.of(strategy)
     x, t, f = (lay.size(mesh, a) for a in (lay.experts, lay.mlp, lay.gathered))
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
@@ -116,23 +118,20 @@ def memory(
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device under an ep-family strategy: the experts' weights over their axes (and each expert's mlp
     split), the rest replicated or over the gathered axes (ZeRO's 16 bytes per parameter in mixed precision).
-    Activations under the `remat` policy: models/gpt_remat_cost.py's rules for the dense block with the width of
+    Activations under the `remat` policy: models/gpt_cost/remat.py's rules for the dense block with the width of
     the experts' capacity slots per token (about k·f; over the mlp split under ep_tp), and per
     block the MoE's own tensors, the routing's dispatch and combine masks ([G_l, S, E, C], fp32) and the
     dispatched and combined tokens ([E, G_l, C, d]). Under `none` every block keeps them all; under `full` only
     the recomputed block holds them; under `dots` the tokens are kept (the dispatch einsums are batched matmuls)
     and the masks recomputed; under `dots_no_batch` and `names:` both are recomputed (nothing in them is tagged).
-    `remat` None: the config's `remat` alias (models/gpt.py REMAT_ALIASES), as `gpt_cost.memory`.
-    `backend="tpu"`: the dense part of each block as the TPU program keeps it (`gpt_cost.activation_bytes`, bf16
-    matmul operands), the working set where `gpt_tpu_cost.working_set_in_hbm`, and the bf16 copy of the block
-    weights, as `gpt_cost.memory`; the dispatched tokens at bf16 (the experts' operands) and the masks both in
+    `remat` None: the config's `remat` alias (models/gpt_remat.py REMAT_ALIASES), as `memory.memory`.
+    `backend="tpu"`: the dense part of each block as the TPU program keeps it (`memory.activation_bytes`, bf16
+    matmul operands), the working set where `tpu.working_set_in_hbm`, and the bf16 copy of the block
+    weights, as `memory.memory`; the dispatched tokens at bf16 (the experts' operands) and the masks both in
     fp32 and as the einsums' bf16 operands
     (the forward loop's [L, ...] stacks for ep on data=2, expert=4: [G_l, S, E, C] f32 x 2 and bf16 x 2,
     [E, G_l, C, d] bf16 x 2; the experts' SwiGLU 5 x f32 + 1 x bf16 of [E_l, G, C, f])."""
-    from models.gpt import REMAT_ALIASES
-    from shardkit.parallel.moe import capacity
-
-    remat = REMAT_ALIASES.get(getattr(cfg, "remat", "none"), "none") if remat is None else remat
+    remat = alias_policy(cfg) if remat is None else remat
 
     lay = Layout.of(strategy)
     x, t, f, devices = (lay.size(mesh, a) for a in (lay.experts, lay.mlp, lay.gathered, lay.batch))
@@ -140,14 +139,14 @@ def memory(
     psi = (cfg.num_params() - experts) / f + experts / (x * t * f)
     groups, tokens = global_batch / devices, global_batch / devices * seq_len
     cap = capacity(seq_len, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.dropless)
-    width = round(gpt_remat_cost.moe_flops_per_token(cfg, seq_len)["hidden"] / t)  # the experts' SwiGLU per token
+    width = round(moe_flops_per_token(cfg, seq_len)["hidden"] / t)  # the experts' SwiGLU per token
     active = dataclasses.replace(cfg, num_experts=0, mlp_dim=width)
     dispatched = 2 * cfg.num_experts * groups * cap * cfg.d_model * nbytes  # [E, G_l, C, d] in and out
     masks = 2 * groups * seq_len * cfg.num_experts * cap * 4  # dispatch and combine, fp32
     tpu, lo = backend == "tpu", min(nbytes, 2)
     if tpu:  # the dispatched tokens as the experts' bf16 operands; the masks in fp32 and as the einsums' bf16 operands
         dispatched, masks = dispatched * lo / nbytes, masks * (4 + lo) / 4
-    fused = tpu and fused_attention  # splash's residuals, its working set on chip (gpt_cost.memory)
+    fused = tpu and fused_attention  # splash's residuals, its working set on chip (memory.memory)
     dense = activation_bytes(active, tokens, seq_len, 1, 1, nbytes, "tpu" if tpu else "cpu",
                              attention="fused" if fused else "scores")  # fmt: skip
     block = dense + dispatched + masks
@@ -156,10 +155,10 @@ def memory(
     moe = {"dots": dispatched,  # per block, beyond the dense rules: the batched dispatch einsums' outputs kept,
            "dots_no_batch": -2 * hidden,  # the experts' gate and up recomputed (batched over E: not "no batch")
            "names": -hidden if "mlp_hidden" in names else 0.0}  # fmt: skip  # the MoE block tags no mlp_hidden
-    acts = gpt_remat_cost.saved_bytes(active, remat, tokens, seq_len, 1, 1, nbytes, block)
-    if tpu:  # the backward's working set on chip; the bf16 copy of the block weights (gpt_cost.memory)
+    acts = saved_bytes(active, remat, tokens, seq_len, 1, 1, nbytes, block)
+    if tpu:  # the backward's working set on chip; the bf16 copy of the block weights (memory.memory)
         tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-        on_chip = fused or not gpt_tpu_cost.working_set_in_hbm(cfg.num_heads, tokens, seq_len, 1, nbytes)
+        on_chip = fused or not working_set_in_hbm(cfg.num_heads, tokens, seq_len, 1, nbytes)
         acts += (psi - tables / f) * lo - (block if on_chip else 0.0)
     acts += cfg.num_layers * moe.get(base, 0.0) + logit_tokens(cfg, tokens, seq_len) * cfg.vocab_size * 4 * 2
     mem = {"params": nbytes * psi, "grads": nbytes * psi, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}

@@ -1,8 +1,9 @@
 """The GPT's TPU terms: what XLA's TPU compiler's programs send and keep, where they differ from XLA:CPU's.
 
-`models/gpt_cost.py` dispatches here for `backend="tpu"`; these are pure functions of the GPT's shape numbers
-(`c`: `gpt_cost._cfg`'s dict) and of the mesh. Read from the TPU compiler's programs for a v5e-8 (fp32 GPT 4 x 512,
-seq 1024, batch 16; experiments/bench/bench_targets.py, tests/test_costmodel_tpu.py, docs/targets.md §5).
+models/gpt_cost/comms.py and memory.py dispatch here for `backend="tpu"`; these are pure functions of the GPT's
+shape numbers (`c`: `shapes.shape`'s dict) and of the mesh. Read from the TPU compiler's programs for a v5e-8
+(fp32 GPT 4 x 512, seq 1024, batch 16; experiments/bench/bench_targets.py, tests/test_costmodel_tpu.py,
+docs/targets.md §5).
 XLA:TPU runs an fp32 matmul at default precision on bf16 operands, and converts a value that only feeds matmuls
 to bf16 where it is produced (`lo = min(nbytes, 2)` below); so:
 - fsdp's all-gathers of the weight matrices move bf16; the embedding table (read by a gather) and the RMSNorm
@@ -23,7 +24,7 @@ to bf16 where it is produced (`lo = min(nbytes, 2)` below); so:
   backward (2 (m + p - 1) permutes, at `nbytes`: they feed RMSNorm), and two all-reduces over stage of the whole
   [B, S, e]: the last stage's output to every stage (each runs the head and loss) and its gradient back.
 Memory: the residuals as the layer loops carry them (`block_bytes`), the bf16 copy of block weights that are not
-gathered per layer, the backward's working set only where `working_set_in_hbm` (gpt_cost.memory, `pp_memory`).
+gathered per layer, the backward's working set only where `working_set_in_hbm` (memory.py `memory`, `pp_activations`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def zero3_comms(
     """ZeRO-3 over fsdp as XLA:TPU compiles it (module docstring): matrices gathered in bf16, the embedding and norm
     scales at `nbytes`; non-matmul gradients all-reduced over (data, fsdp); with `windowed` (fsdp_tp) the block
     matrices' forward gathers and the matrices' reduce-scatters done by the collective matmul's permutes.
-    `blk`: one block's matrix elements (gpt_cost.blocks_per_layer), `t` the tensor degree, `f` fsdp's.
+    `blk`: one block's matrix elements (shapes.blocks_per_layer), `t` the tensor degree, `f` fsdp's.
     `local_rows` > 0: the `local` embedding lookup (shardkit/embedding.py) instead of the table's gather: one
     all-to-all of a device's [batch, seq, embed] rows (`local_rows` bytes) forward and one backward, the token ids
     (`ids` bytes, the fsdp group's) all-gathered, and the table's gradient kept in each device's own columns
