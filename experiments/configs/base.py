@@ -49,7 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sdp.groups = 0  # neuron: unit groups per layer; 0 = one per worker
     c.sdp.reduce = "auto"  # holder averaging: auto | ring | psum
     c.sdp.eval = "subnetworks"  # forward masking's validation: subnetworks (what trained) | full (every block)
-    c.hetero = ml_collections.ConfigDict()  # strategy=hetero_dp only: uneven data parallelism (shardkit/parallel/hetero/)
+    c.hetero = ml_collections.ConfigDict()  # strategy=hetero_dp only: uneven data parallelism (parallel/hetero/)
     c.hetero.microbatch = 1  # examples per micro-batch; device d runs counts[d] of them (batch_size / microbatch)
     c.hetero.speeds = ""  # "2,2,1,1,..." relative throughputs; "" = the mesh preset's [[groups]]
     c.hetero.microbatch_bytes = 0.0  # memory one micro-batch needs, for per-device caps; 0 = uncapped
