@@ -43,6 +43,10 @@ class GPTConfig:
     mlp_dim: int = 512
     max_seq_len: int = 256
     rope_theta: float = 10_000.0
+    #: RoPE frequency scaling as Hugging Face configs give it (models/hf.py): () none, ("linear", factor), or
+    #: ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_scaling: tuple = ()
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision)
@@ -71,6 +75,13 @@ class GPTConfig:
     z_loss_weight: float = 1e-3  # router z-loss mean(logsumexp(logits)^2)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # a list from config.json
+        kind, n = (self.rope_scaling or ("",))[0], len(self.rope_scaling)
+        if self.rope_scaling and not ((kind == "linear" and n == 2) or (kind == "llama3" and n == 5)):
+            raise sk.ShardkitError(
+                f"rope_scaling={self.rope_scaling!r}: give (), ('linear', factor) or ('llama3', factor, "
+                "low_freq_factor, high_freq_factor, original_max_position_embeddings)"
+            )
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
             if int(getattr(self, name)) < 1:
                 raise sk.ShardkitError(f"{name}={getattr(self, name)} must be >= 1")
@@ -101,6 +112,7 @@ class GPTConfig:
         """Parameter count; without the embedding table it is the N of FLOPs = 6N per token."""
         e, h = self.d_model, self.head_dim
         attn = e * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         block = attn + 3 * e * self.mlp_dim * max(1, self.num_experts) + 2 * e + e * self.num_experts
         head = 0 if self.tie_embeddings else e * self.vocab_size
         emb = e * self.vocab_size if include_embedding else 0
@@ -214,11 +226,31 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(x32.dtype)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding of x [b, s, heads, d] at integer positions [b, s] (Su et al. 2104.09864)."""
+def rope_frequencies(half: int, theta: float, scaling: tuple, dtype: jnp.dtype) -> jax.Array:
+    """The rotary frequencies theta^(-i/half), i < half, scaled as `GPTConfig.rope_scaling` says: "linear" divides
+    them by the factor (positions interpolated, Chen et al. 2306.15595); "llama3" divides the low frequencies
+    (wavelength > original length / low_freq_factor) by the factor, keeps the high ones (wavelength < original
+    length / high_freq_factor) and blends those between (Llama 3, Dubey et al. 2407.21783; HF's `llama3` rope)."""
+    freq = theta ** (-jnp.arange(half, dtype=dtype) / half)
+    if not scaling:
+        return freq
+    factor = scaling[1]
+    if scaling[0] == "linear":
+        return freq / factor
+    low, high, original = scaling[2:]
+    wavelen = 2 * math.pi / freq
+    scaled = jnp.where(wavelen > original / low, freq / factor, freq)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) -> jax.Array:
+    """Rotary embedding of x [b, s, heads, d] at integer positions [b, s] (Su et al. 2104.09864), the two halves of
+    the last dimension rotated together (GPT-NeoX's and Hugging Face Llama's layout)."""
     half = x.shape[-1] // 2
     f32 = _f32(x.dtype)
-    freq = theta ** (-jnp.arange(half, dtype=f32) / half)
+    freq = rope_frequencies(half, theta, scaling, f32)
     angle = positions.astype(f32)[..., None, None] * freq  # [b, s, 1, d/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = x[..., :half].astype(f32), x[..., half:].astype(f32)
@@ -237,6 +269,10 @@ class Block(nnx.Module):
         # Q, K and V of one KV group side by side: [embed, kv_heads, g queries + 1 key + 1 value, head_dim]. One
         # matmul means one partial-sum for dX in backward, so tensor parallelism all-reduces once (Megatron's f).
         self.wqkv = _param(rngs, (e, k, g + 2, h), (EMBED, KV_HEADS, None, HEAD_DIM), cfg, std)
+        if cfg.qkv_bias:
+            self.bqkv = nnx.Param(
+                jnp.zeros((k, g + 2, h), jnp.dtype(cfg.param_dtype)), logical_axes=(KV_HEADS, None, HEAD_DIM)
+            )
         self.wo = _param(rngs, (n, h, e), (HEADS, HEAD_DIM, EMBED), cfg, out_std)
         self.mlp_norm = _ones((e,), (EMBED,), cfg)
         if cfg.num_experts:  # the experts' SwiGLU weights stacked on a leading `experts` dimension, and a router
@@ -254,13 +290,15 @@ class Block(nnx.Module):
         h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
         h = sk.constrain(h, (BATCH, SEQ, EMBED))  # Megatron-SP's all-gather of the sequence (no-op without SP)
         qkv = jnp.einsum("bse,ekgh->bskgh", h, self.wqkv[...].astype(dt))
+        if cfg.qkv_bias:
+            qkv = qkv + self.bqkv[...].astype(dt)
         qkv = sk.layers.tag(sk.constrain(qkv, (BATCH, SEQ, KV_HEADS, None, HEAD_DIM)), "qkv_proj")
         b, s, kv, g2, hd = qkv.shape
         q = sk.constrain(qkv[:, :, :, : g2 - 2].reshape(b, s, kv * (g2 - 2), hd), (BATCH, SEQ, HEADS, HEAD_DIM))
         kv_axes = (BATCH, SEQ, KV_HEADS, HEAD_DIM)
         k, v = sk.constrain(qkv[:, :, :, g2 - 2], kv_axes), sk.constrain(qkv[:, :, :, g2 - 1], kv_axes)
-        q = sk.constrain(rope(q, positions, cfg.rope_theta), (BATCH, SEQ, HEADS, HEAD_DIM))
-        k = sk.constrain(rope(k, positions, cfg.rope_theta), kv_axes)
+        q = sk.constrain(rope(q, positions, cfg.rope_theta, cfg.rope_scaling), (BATCH, SEQ, HEADS, HEAD_DIM))
+        k = sk.constrain(rope(k, positions, cfg.rope_theta, cfg.rope_scaling), kv_axes)
         o = sk.attention.attend(q, k, v, causal=True, segment_ids=segment_ids)
         o = sk.layers.tag(sk.constrain(o, (BATCH, SEQ, HEADS, HEAD_DIM)), "attn_out")
         proj = sk.constrain(jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dt)), (BATCH, RES_SEQ, EMBED))
