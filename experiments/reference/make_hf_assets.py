@@ -17,7 +17,8 @@ near-uniform logits.
     /tmp/venv-ref/bin/python experiments/reference/make_hf_assets.py --check <exported dir> --family llama
 
 loads a folder `python -m experiments.export` wrote with transformers, runs the family's tokens and prints the
-largest difference from the committed logits (docs/models.md keeps that output).
+largest difference from the committed logits (docs/models.md keeps that output); with `--logits <npz>` (what
+`experiments.export --logits` wrote: a fine-tuned model's shardkit logits) it compares against those instead.
 """
 
 from __future__ import annotations
@@ -92,15 +93,16 @@ def generate(root: Path) -> None:
         print(f"{family}: {out} ({size / 1024:.0f} KiB, {len(list(out.glob('*.safetensors')))} safetensors file(s))")
 
 
-def check(exported: Path, family: str, root: Path) -> int:
-    ref = np.load(root / family / "logits.npz")
+def check(exported: Path, family: str, root: Path, against: Path | None = None) -> int:
+    ref = np.load(against or root / family / "logits.npz")
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32,
                                                               attn_implementation="eager")  # fmt: skip
     model.eval()
     got = logits(model, ref["tokens"])
     diff = float(np.abs(got - ref["logits"]).max())
     vs = ", ".join(f"{k} {v}" for k, v in versions().items())
-    print(f"{family}: transformers loaded {exported} as {type(model).__name__}; max |logits - committed HF logits| = "
+    what = f"shardkit's logits ({against.name})" if against else "committed HF logits"
+    print(f"{exported.name}: transformers loaded {exported} as {type(model).__name__}; max |logits - {what}| = "
           f"{diff:.2e} over {got.size} logits ({vs})")  # fmt: skip
     return 0 if diff <= 1e-4 else 1
 
@@ -110,9 +112,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT, help="where the family folders go")
     p.add_argument("--check", type=Path, default=None, help="an exported folder to load with transformers")
     p.add_argument("--family", default="llama", help="--check: whose committed tokens and logits to compare")
+    p.add_argument("--logits", type=Path, default=None, help="--check: compare with these (experiments.export's)")
     a = p.parse_args()
     if a.check is not None:
-        return check(a.check, a.family, a.out)
+        return check(a.check, a.family, a.out, a.logits)
     generate(a.out)
     return 0
 
