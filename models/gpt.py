@@ -22,6 +22,7 @@ from flax import nnx
 import shardkit as sk
 from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
 from models.gpt_loss import chunked_cross_entropy
+from models.rope import checked_scaling, rope_frequencies
 
 #: The values every block tags for the `names:` / `offload:` remat policies (docs/memory.md): the fused Q/K/V projection
 #: [b, s, kv_heads, g + 2, head_dim], the attention kernel's output [b, s, heads, head_dim] and its output projection
@@ -75,13 +76,7 @@ class GPTConfig:
     z_loss_weight: float = 1e-3  # router z-loss mean(logsumexp(logits)^2)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # a list from config.json
-        kind, n = (self.rope_scaling or ("",))[0], len(self.rope_scaling)
-        if self.rope_scaling and not ((kind == "linear" and n == 2) or (kind == "llama3" and n == 5)):
-            raise sk.ShardkitError(
-                f"rope_scaling={self.rope_scaling!r}: give (), ('linear', factor) or ('llama3', factor, "
-                "low_freq_factor, high_freq_factor, original_max_position_embeddings)"
-            )
+        object.__setattr__(self, "rope_scaling", checked_scaling(self.rope_scaling))  # a list from config.json too
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
             if int(getattr(self, name)) < 1:
                 raise sk.ShardkitError(f"{name}={getattr(self, name)} must be >= 1")
@@ -224,25 +219,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(_f32(x.dtype))
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * scale.astype(x32.dtype)).astype(x.dtype)
-
-
-def rope_frequencies(half: int, theta: float, scaling: tuple, dtype: jnp.dtype) -> jax.Array:
-    """The rotary frequencies theta^(-i/half), i < half, scaled as `GPTConfig.rope_scaling` says: "linear" divides
-    them by the factor (positions interpolated, Chen et al. 2306.15595); "llama3" divides the low frequencies
-    (wavelength > original length / low_freq_factor) by the factor, keeps the high ones (wavelength < original
-    length / high_freq_factor) and blends those between (Llama 3, Dubey et al. 2407.21783; HF's `llama3` rope)."""
-    freq = theta ** (-jnp.arange(half, dtype=dtype) / half)
-    if not scaling:
-        return freq
-    factor = scaling[1]
-    if scaling[0] == "linear":
-        return freq / factor
-    low, high, original = scaling[2:]
-    wavelen = 2 * math.pi / freq
-    scaled = jnp.where(wavelen > original / low, freq / factor, freq)
-    smooth = (original / wavelen - low) / (high - low)
-    medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) -> jax.Array:
