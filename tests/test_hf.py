@@ -137,3 +137,24 @@ def test_missing_and_extra_tensors(tmp_path) -> None:
         hf.from_pretrained(tmp_path / "m", sk.make_mesh("data=8"), "dp")
     with pytest.raises(sk.ShardkitError, match="model_type='qwen2' with qkv_bias=False"):
         hf_config.to_hf(hf.to_gpt(cfg, qkv_bias=False), "qwen2")
+
+
+def test_cli_fine_tunes_from_the_folder(tmp_path) -> None:
+    """`init_from=hf:<dir>` (experiments/configs/llama_tiny_finetune.py, shortened): the first step's loss is the
+    folder's model's loss on that batch (its weights, not a random init), and the loss falls."""
+    from common import override
+
+    from experiments import train as tr
+    from experiments.configs import llama_tiny_finetune
+
+    short = {"steps": 8, "batch_size": 8, "seq_len": 32, "eval_every": 0, "optimizer.warmup_steps": 1,
+             "optimizer.lr": 1e-2, "data.max_files": 60, "progress": False, "jax_cache_dir": "",
+             "run_dir": str(tmp_path / "runs"), "data.cache_dir": str(tmp_path / "data")}  # fmt: skip
+    config = override(llama_tiny_finetune.get_config(), short)
+    run = tr.build(config)
+    assert hf_config.architecture(run.model_cfg) == hf_config.architecture(hf.read_config(ASSETS / "llama"))
+    model, _ = hf.from_pretrained(ASSETS / "llama", run.mesh, run.step.strategy)
+    first = float(jax.jit(lm_loss)(model, run.task.train_batch(run.step, 0)))
+    losses = tr.train(config)["losses"]
+    assert abs(losses[0] - first) < 1e-5 * first, (losses[0], first)
+    assert losses[-1] < losses[0] - 1.0, losses
