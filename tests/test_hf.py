@@ -158,3 +158,50 @@ def test_cli_fine_tunes_from_the_folder(tmp_path) -> None:
     losses = tr.train(config)["losses"]
     assert abs(losses[0] - first) < 1e-5 * first, (losses[0], first)
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+_TWO_PROCESSES = """
+import json, os, sys
+import jax
+env = os.environ
+jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"]),
+                           initialization_timeout=60)
+import numpy as np
+from flax import nnx
+import shardkit as sk
+from models import hf
+path = sys.argv[1]
+reader = hf.Reader(path)
+mesh = sk.make_mesh("fsdp=8")  # both processes' 4 devices
+model = hf.load_params(path, hf.read_config(path), mesh, "fsdp", reader=reader)
+held = 0
+for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))):  # this process's distinct shards
+    held += sum({str(s.index): s.data.size * 4 for s in x.addressable_shards}.values())
+ref = np.load(f"{path}/logits.npz")
+out = jax.jit(lambda m, t: m(t), out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(
+    model, np.tile(ref["tokens"], (4, 1)))
+diff = float(np.abs(np.asarray(out.addressable_data(0))[:2] - ref["logits"]).max())
+print("RESULT", json.dumps({"read": sum(reader.bytes_read.values()), "held": held, "diff": diff}))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_each_read_their_own_bytes() -> None:
+    """2 processes x 4 CPU devices (jax.distributed on 127.0.0.1), fsdp over all 8: each process reads exactly the
+    bytes of the distinct shards its devices hold (about half the file), and the model gives transformers' logits."""
+    import subprocess
+    import sys
+
+    from experiments.launch_local import child_env, free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(ASSETS / "qwen2")], cwd=ROOT,
+                              env=child_env(pid, 2, 4, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for pid in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    results = [json.loads(o[0].split("RESULT", 1)[1]) for o in outs]
+    file_bytes = sum(math.prod(s) * 4 for s in hf.Reader(ASSETS / "qwen2").shapes.values())
+    for r in results:
+        assert r["read"] == r["held"] < 0.6 * file_bytes and r["diff"] < 1e-4, r
+    assert sum(r["read"] for r in results) >= file_bytes  # between them, every byte (the replicated biases twice)
