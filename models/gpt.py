@@ -31,6 +31,8 @@ CHECKPOINT_NAMES = ("qkv_proj", "attn_out", "out_proj", "mlp_in", "mlp_hidden")
 #: `GPTConfig.remat` -> the remat policy it means (the older config field, kept as an alias of the `remat` kernel
 #: slot). `dots` kept its meaning: matmuls without batch dimensions (the projections), not attention's scores.
 REMAT_ALIASES: dict[str, str] = {"none": "none", "full": "full", "dots": "dots_no_batch"}
+#: `GPTConfig.mlp_activation` -> the gate's activation: SwiGLU (Llama) or GeGLU with tanh's GELU (Gemma)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,10 @@ class GPTConfig:
     #: ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
     rope_scaling: tuple = ()
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
+    # Gemma (models/hf): embeddings times sqrt(d_model), norms scaled by (offset + weight), GeGLU ("gelu_tanh")
+    scale_embeddings: bool = False
+    norm_offset: float = 0.0
+    mlp_activation: str = "silu"
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision)
@@ -98,6 +104,9 @@ class GPTConfig:
             raise sk.ShardkitError(f"top_k={self.top_k} needs at least that many experts, not {self.num_experts}")
         if self.loss_chunk < 0:
             raise sk.ShardkitError(f"loss_chunk={self.loss_chunk}: positions per chunk (> 0), or 0 for the whole loss")
+        if self.mlp_activation not in ACTIVATIONS or (self.num_experts and self.mlp_activation != "silu"):
+            raise sk.ShardkitError(f"mlp_activation={self.mlp_activation!r}: choose one of {', '.join(ACTIVATIONS)} "
+                                   "(experts: silu)")  # fmt: skip
         if self.remat not in REMAT_ALIASES:
             choices = ", ".join(REMAT_ALIASES)
             raise sk.ShardkitError(f"remat={self.remat!r}: choose one of {choices} (any other policy: the strategy's "
@@ -215,10 +224,11 @@ def _f32(dtype: jnp.dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     x32 = x.astype(_f32(x.dtype))
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(x32.dtype)).astype(x.dtype)
+    scale = scale.astype(x32.dtype) + offset if offset else scale.astype(x32.dtype)  # Gemma: (1 + w), in fp32
+    return (y * scale).astype(x.dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) -> jax.Array:
@@ -263,7 +273,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         # x: [batch, res_seq, embed]
-        h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
+        h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps, cfg.norm_offset), (BATCH, RES_SEQ, EMBED))
         h = sk.constrain(h, (BATCH, SEQ, EMBED))  # Megatron-SP's all-gather of the sequence (no-op without SP)
         qkv = jnp.einsum("bse,ekgh->bskgh", h, self.wqkv[...].astype(dt))
         if cfg.qkv_bias:
@@ -280,12 +290,13 @@ class Block(nnx.Module):
         proj = sk.constrain(jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dt)), (BATCH, RES_SEQ, EMBED))
         x = x + sk.layers.tag(proj, "out_proj")
 
-        h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
+        h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps, cfg.norm_offset), (BATCH, RES_SEQ, EMBED))
         h = sk.layers.tag(sk.constrain(h, (BATCH, SEQ, EMBED)), "mlp_in")
         if cfg.num_experts:
             return self._moe(x, h)
         gu = sk.constrain(jnp.einsum("bse,etf->bstf", h, self.w_gate_up[...].astype(dt)), (BATCH, SEQ, None, MLP))
-        act = sk.layers.tag(sk.constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP)), "mlp_hidden")
+        gate = ACTIVATIONS[cfg.mlp_activation]
+        act = sk.layers.tag(sk.constrain(gate(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP)), "mlp_hidden")
         y = jnp.einsum("bsf,fe->bse", act, self.w_down[...].astype(dt))
         return x + sk.constrain(y, (BATCH, RES_SEQ, EMBED))
 
@@ -372,6 +383,8 @@ class GPT(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = sk.embedding.lookup(self.embed[...], tokens, (VOCAB, EMBED), dt)  # the `embed` kernel slot
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), dt)
         x = sk.constrain(x, (BATCH, RES_SEQ, EMBED))
 
         graphdef, layer_state = nnx.split(self.blocks)
@@ -389,7 +402,7 @@ class GPT(nnx.Module):
             x = sk.layers.apply_stack(block, layer_state, x, positions, segment_ids, remat=REMAT_ALIASES[cfg.remat])
             aux = None
 
-        x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+        x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset)
         out = x if return_hidden else self.logits(x)  # return_hidden: the final normed activations, no head
         return (out, aux) if return_aux else out
 

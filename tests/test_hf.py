@@ -26,7 +26,7 @@ from models.hf import layout
 from tests.conftest import ROOT
 
 ASSETS = ROOT / "tests" / "assets" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "gemma")
 MESHES = {"dp": "data=8", "fsdp": "data=2,fsdp=4", "tp": "data=4,tensor=2", "pp_dp": "stage=2,data=4"}
 
 
@@ -88,13 +88,17 @@ def test_both_rope_spellings_and_errors() -> None:
         ("hidden_act", "gelu", "hidden_act='gelu'"),
         ("quantization_config", {"quant_method": "gptq"}, "quantization_config={'quant_method': 'gptq'}"),
         ("attention_bias", True, "attention_bias=True"),
-        ("model_type", "gemma", "model_type='gemma'"),
+        ("model_type", "phi3", "model_type='phi3'"),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.rope_type='yarn'"),
         ("layer_types", ["full_attention", "sliding_attention"], "layer_types=['full_attention', 'sliding_"),
     ]
     for field, value, said in bad:
         with pytest.raises(sk.ShardkitError, match=re.escape(f"Hugging Face config field {said}")):
             hf.to_gpt({**new, field: value})
+    gemma = json.loads((ASSETS / "gemma" / "config.json").read_text())  # 4.x: tanh's GELU named hidden_activation
+    assert hf.to_gpt({**gemma, "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}) == hf.to_gpt(gemma)
+    with pytest.raises(sk.ShardkitError, match=re.escape("hidden_act='gelu': gemma as the GPT reproduces it has")):
+        hf.to_gpt({**gemma, "hidden_act": "gelu"})  # exact GELU in transformers 5, tanh's in 4.x: refused
 
 
 def test_each_shard_reads_only_its_bytes(monkeypatch) -> None:

@@ -7,12 +7,12 @@ Run once, in a venv of its own (torch and transformers are never dependencies of
     /tmp/venv-ref/bin/python experiments/reference/make_hf_assets.py            # -> tests/assets/hf/<family>/
 
 Versions used for the committed assets: torch 2.13.0+cpu, transformers 5.25.0, safetensors 0.8.0, numpy 2.4.6
-(written into each folder's `reference.json` too). Each family gets a folder transformers itself wrote with
-`save_pretrained` (config.json, model.safetensors; Mistral's split into several files with
-model.safetensors.index.json, to test that path) and `logits.npz`: int32 `tokens` [2, 12] and the fp32 `logits`
-[2, 12, vocab] of the eager fp32 forward. Every weight is drawn at a scale where it moves the logits (norm scales
-1 + N(0, 0.1), biases N(0, 0.1), matrices N(0, 0.2)): a wrong transpose or head order cannot hide under
-near-uniform logits.
+(written into each folder's `reference.json` too). Each family (Llama 3.1, Mistral, Qwen2, Gemma) gets a folder
+transformers itself wrote with `save_pretrained` (config.json, model.safetensors; Mistral's split into several files
+with model.safetensors.index.json, to test that path) and `logits.npz`: int32 `tokens` [2, 12] and the fp32 `logits`
+[2, 12, vocab] of the eager fp32 forward. Every weight is drawn at a scale where it moves the logits (norm scales 1
++ N(0, 0.1), biases N(0, 0.1), matrices N(0, 0.2)): a wrong transpose or head order cannot hide under near-uniform
+logits.
 
     /tmp/venv-ref/bin/python experiments/reference/make_hf_assets.py --check <exported dir> --family llama
 
@@ -41,7 +41,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
 
 def configs() -> dict[str, transformers.PretrainedConfig]:
     """Llama 3.1 (llama3 RoPE scaling, head_dim 16 != hidden / heads), Mistral (sliding window), Qwen2 (q/k/v
-    biases, tied embeddings)."""
+    biases, tied embeddings), Gemma (embeddings x sqrt(hidden), (1 + w) norms, GeGLU, tied, head_dim 16)."""
     llama3 = dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
     )  # wavelengths 6, 63, 628 ...: all three llama3 bands used
@@ -49,6 +49,7 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
         "llama": transformers.LlamaConfig(**COMMON, head_dim=16, rope_theta=10_000.0, rope_scaling=llama3),
         "mistral": transformers.MistralConfig(**COMMON, head_dim=8, rope_theta=1_000_000.0, sliding_window=64),
         "qwen2": transformers.Qwen2Config(**COMMON, rope_theta=10_000.0, tie_word_embeddings=True),
+        "gemma": transformers.GemmaConfig(**COMMON, head_dim=16, rope_theta=10_000.0),  # (1 + w) norms, GeGLU, tied
     }
 
 
@@ -75,8 +76,10 @@ def versions() -> dict[str, str]:
                 numpy=np.__version__)  # fmt: skip
 
 
-def generate(root: Path) -> None:
+def generate(root: Path, only: list[str]) -> None:
     for seed, (family, cfg) in enumerate(configs().items()):
+        if only and family not in only:
+            continue
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
         randomize(model, seed)
@@ -110,13 +113,14 @@ def check(exported: Path, family: str, root: Path, against: Path | None = None) 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT, help="where the family folders go")
+    p.add_argument("--families", default="", help="generate only these (comma-separated); default all")
     p.add_argument("--check", type=Path, default=None, help="an exported folder to load with transformers")
     p.add_argument("--family", default="llama", help="--check: whose committed tokens and logits to compare")
     p.add_argument("--logits", type=Path, default=None, help="--check: compare with these (experiments.export's)")
     a = p.parse_args()
     if a.check is not None:
         return check(a.check, a.family, a.out, a.logits)
-    generate(a.out)
+    generate(a.out, [f for f in a.families.split(",") if f])
     return 0
 
 

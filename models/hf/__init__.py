@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family checkpoints (Llama 2 / 3 / 3.1, Mistral, Qwen2 / 2.5) in and out of the GPT.
+"""Hugging Face Llama-family checkpoints (Llama 2 / 3 / 3.1, Mistral, Qwen2 / 2.5, Gemma) in and out of the GPT.
 
     from models import hf
     model, cfg = hf.from_pretrained("path/to/hf_dir", mesh, strategy)   # each device reads only its shard

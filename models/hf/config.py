@@ -1,8 +1,10 @@
-"""Hugging Face `config.json` <-> `GPTConfig` for the Llama family: Llama 2 / 3 / 3.1, Mistral, Qwen2 / 2.5.
+"""Hugging Face `config.json` <-> `GPTConfig` for the Llama family: Llama 2 / 3 / 3.1, Mistral, Qwen2 / 2.5, Gemma.
 
-The three are one architecture to the GPT (RMSNorm, GQA, SwiGLU, half-split RoPE): Qwen2 adds biases to Q, K and
+They are one architecture to the GPT (RMSNorm, GQA, gated MLP, half-split RoPE): Qwen2 adds biases to Q, K and
 V and usually ties its embeddings, Llama 3.1 scales RoPE's low frequencies, Mistral v0.1 attends within a sliding
-window (exact here for sequences up to the window, so `max_seq_len` is capped at it). Every field is checked: a
+window (exact here for sequences up to the window, so `max_seq_len` is capped at it), Gemma (1) scales its tied
+embeddings by sqrt(hidden), scales its norms by (1 + w) and gates with tanh's GELU (`scale_embeddings`,
+`norm_offset`, `mlp_activation`). Every field is checked: a
 value the GPT cannot reproduce (another activation, biases on the output projection, sliding windows per layer,
 quantization, a RoPE type other than default / linear / llama3, ...) and any field this module does not know is a
 `ShardkitError` naming it: a checkpoint loads exactly or not at all.
@@ -20,8 +22,11 @@ from typing import Any
 from models.gpt import GPTConfig
 from shardkit.errors import ShardkitError
 
-FAMILIES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES = ("llama", "mistral", "qwen2", "gemma")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "gemma": "GemmaForCausalLM"}  # fmt: skip
+#: the GPTConfig fields that make a Gemma
+GEMMA = dict(scale_embeddings=True, norm_offset=1.0, mlp_activation="gelu_tanh")
 #: fields that do not change the forward pass (token ids, generation, bookkeeping, initialisation)
 IGNORED = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
@@ -35,6 +40,8 @@ REQUIRED: dict[str, tuple[Any, ...]] = {
     "pretraining_tp": (1,),
     "mlp_bias": (False,),
     "use_sliding_window": (False,),
+    "use_bidirectional_attention": (None, False),
+    "hidden_activation": (None, "gelu_pytorch_tanh"),  # Gemma configs of transformers 4.x
 }
 SHAPE = {"hidden_size": "d_model", "intermediate_size": "mlp_dim", "num_hidden_layers": "num_layers",
          "num_attention_heads": "num_heads", "vocab_size": "vocab_size"}  # fmt: skip
@@ -79,14 +86,16 @@ def to_gpt(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise _bad("model_type", family, f"supported: {', '.join(FAMILIES)}")
+    gemma = family == "gemma"
+    required = {**REQUIRED, "hidden_act": ("gelu_pytorch_tanh",) if gemma else ("silu",)}
     for field, value in hf.items():
         if field in IGNORED or field in SHAPE or field in OTHER:
             continue
-        if field not in REQUIRED:
+        if field not in required:
             raise _bad(field, value, "a field shardkit's loader does not know; it may change the model, so nothing is "
                        "loaded (models/hf/config.py lists the fields it reads and ignores)")  # fmt: skip
-        if value not in REQUIRED[field]:
-            raise _bad(field, value, f"the GPT reproduces only {REQUIRED[field][0]!r}")
+        if value not in required[field] and not (gemma and field == "hidden_act" and hf.get("hidden_activation")):
+            raise _bad(field, value, f"{family} as the GPT reproduces it has {required[field][-1]!r}")
     missing = [k for k in SHAPE if k not in hf]
     if missing:
         raise ShardkitError(f"Hugging Face config.json lacks {', '.join(missing)}: not a complete {family} config")
@@ -108,18 +117,24 @@ def to_gpt(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        **(GEMMA if gemma else {}),
     )
     return GPTConfig(**{**fields, **overrides})
 
 
 def to_hf(cfg: GPTConfig, model_type: str | None = None, dtype: str = "float32") -> dict[str, Any]:
     """A config.json transformers loads as `model_type` (default: qwen2 with q/k/v biases, else llama)."""
-    model_type = model_type or ("qwen2" if cfg.qkv_bias else "llama")
+    gemma = {k: getattr(cfg, k) for k in GEMMA}
+    model_type = model_type or ("qwen2" if cfg.qkv_bias else "gemma" if gemma == GEMMA else "llama")
     if model_type not in FAMILIES or cfg.qkv_bias != (model_type == "qwen2"):
         raise ShardkitError(f"model_type={model_type!r} with qkv_bias={cfg.qkv_bias}: export as one of {FAMILIES} "
                             "(qwen2 exactly when the Q/K/V projections have biases)")  # fmt: skip
+    plain = {"scale_embeddings": False, "norm_offset": 0.0, "mlp_activation": "silu"}
+    if gemma != (GEMMA if model_type == "gemma" else plain):
+        raise ShardkitError(f"model_type={model_type!r} with {gemma}: transformers has no such model ({model_type} "
+                            f"is {GEMMA if model_type == 'gemma' else plain})")  # fmt: skip
     if cfg.num_experts:
         raise ShardkitError(f"num_experts={cfg.num_experts}: a mixture-of-experts GPT has no Llama-family export")
     out: dict[str, Any] = dict(architectures=[ARCHITECTURES[model_type]], model_type=model_type)
@@ -127,7 +142,7 @@ def to_hf(cfg: GPTConfig, model_type: str | None = None, dtype: str = "float32")
     out.update(
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-        hidden_act="silu", attention_dropout=0.0, torch_dtype=dtype,
+        hidden_act="gelu_pytorch_tanh" if model_type == "gemma" else "silu", attention_dropout=0.0, torch_dtype=dtype,
     )  # fmt: skip
     s = cfg.rope_scaling
     if s:
@@ -138,6 +153,8 @@ def to_hf(cfg: GPTConfig, model_type: str | None = None, dtype: str = "float32")
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif model_type == "mistral":
         out.update(sliding_window=None)
+    elif model_type == "gemma":
+        out.update(attention_bias=False)
     else:
         out.update(use_sliding_window=False)
     return out
@@ -145,6 +162,6 @@ def to_hf(cfg: GPTConfig, model_type: str | None = None, dtype: str = "float32")
 
 def architecture(cfg: GPTConfig) -> dict[str, Any]:
     """The GPTConfig fields a Hugging Face config describes (what `to_gpt` sets), for comparing two configs."""
-    keys = set(SHAPE.values()) | {"num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "qkv_bias",
-                                  "tie_embeddings", "norm_eps"}  # fmt: skip
+    keys = set(SHAPE.values()) | set(GEMMA) | {"num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "qkv_bias",
+                                               "tie_embeddings", "norm_eps"}  # fmt: skip
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k in keys}
