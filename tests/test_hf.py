@@ -27,30 +27,33 @@ from tests.conftest import ROOT
 
 ASSETS = ROOT / "tests" / "assets" / "hf"
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
-MESHES = {"dp": "data=8", "fsdp": "data=2,fsdp=4", "tp": "data=4,tensor=2", "pp_dp": "stage=2,data=4"}
+MESHES = {"dp": "data=8", "fsdp": "data=2,fsdp=4", "tp": "data=4,tensor=2", "pp_dp": "stage=2,data=4",
+          "cp_zigzag": "data=4,seq=2"}  # fmt: skip
 
 
 def _logits_loss(model, batch):
-    return lm_loss(model, batch), {"logits": model(batch["inputs"])}
+    return lm_loss(model, batch), {"logits": model(batch["inputs"], positions=batch["positions"])}
 
 
 @pytest.mark.parametrize(
     "family,strategy",
-    [("llama", "dp")] + [(f, s) for f in FAMILIES for s in ("fsdp", "tp", "pp_dp")],
+    [("llama", "dp"), ("llama", "cp_zigzag")] + [(f, s) for f in FAMILIES for s in ("fsdp", "tp", "pp_dp")],
 )
 def test_logits_match_transformers(family: str, strategy: str) -> None:
-    """The model the strategy's train step runs (its compute rules; pp_dp: the GPipe kernel over 2 stages) gives
-    transformers' fp32 logits to 1e-4 (logits ~ N(0, 1.1); seen: <= 5e-6, XLA's and torch's reduction orders and
-    RoPE angles in fp32)."""
+    """The model the strategy's train step runs (its compute rules; pp_dp: the GPipe kernel over 2 stages;
+    cp_zigzag: ring attention over the sequence laid out zigzag, with its positions) gives transformers' fp32 logits
+    to 1e-4 (logits ~ N(0, 1.1); seen: <= 5e-6, XLA's and torch's reduction orders and RoPE angles in fp32)."""
     ref = np.load(ASSETS / family / "logits.npz")
     mesh = sk.make_mesh(MESHES[strategy])
     model, _ = hf.from_pretrained(ASSETS / family, mesh, strategy)
     step = sk.make_train_step(model, optax.sgd(0.0), mesh, strategy, loss_fn=_logits_loss)
-    tokens = np.tile(ref["tokens"], (4, 1))  # 8 rows: every batch axis divides it
-    batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1))}
-    _, aux = step.evaluate(step.init_state(model).params, batch)
+    layout, ring = sk.kernels.batch_layout(step.strategy, mesh)  # what the data loader lays out (cp_*)
+    perm = sk.attention.layout_perm(layout, ref["tokens"].shape[1], ring)
+    tokens = np.tile(ref["tokens"], (4, 1))[:, perm]  # 8 rows: every batch axis divides it
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "positions": np.broadcast_to(perm, tokens.shape)}
+    _, aux = step.evaluate(step.init_state(model).params, {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()})
     got = np.asarray(aux["logits"])
-    np.testing.assert_allclose(got, np.tile(ref["logits"], (4, 1, 1)), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, np.tile(ref["logits"], (4, 1, 1))[:, perm], atol=1e-4, rtol=0)
 
 
 def _tensors(folder) -> dict[str, np.ndarray]:
