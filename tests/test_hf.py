@@ -212,3 +212,23 @@ def test_two_processes_each_read_their_own_bytes() -> None:
     for r in results:
         assert r["read"] == r["held"] < 0.6 * file_bytes and r["diff"] < 1e-4, r
     assert sum(r["read"] for r in results) >= file_bytes  # between them, every byte (the replicated biases twice)
+
+
+def test_bf16_checkpoint_round_trips_through_fp32_parameters(tmp_path) -> None:
+    """A bf16 checkpoint (as the Hub's are) loads into fp32 parameters exactly (bf16 -> fp32 is exact) and exports
+    back to the same bf16 bytes; the config says bfloat16."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "bf16"
+    src.mkdir()
+    shutil.copy(ASSETS / "llama" / "config.json", src / "config.json")
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in _tensors(ASSETS / "llama").items()},
+              str(src / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    model, cfg = hf.from_pretrained(src, sk.make_mesh("data=2,fsdp=4"), "fsdp")
+    assert model.embed[...].dtype == jnp.float32
+    hf.save_pretrained(model, cfg, tmp_path / "out", dtype="bfloat16")
+    before, after = _tensors(src), _tensors(tmp_path / "out")
+    assert after.keys() == before.keys()
+    assert all(after[k].dtype == ml_dtypes.bfloat16 and after[k].tobytes() == v.tobytes() for k, v in before.items())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
