@@ -148,7 +148,8 @@ def test_missing_and_extra_tensors(tmp_path) -> None:
 
 def test_cli_fine_tunes_from_the_folder(tmp_path) -> None:
     """`init_from=hf:<dir>` (experiments/configs/llama_tiny_finetune.py, shortened): the first step's loss is the
-    folder's model's loss on that batch (its weights, not a random init), and the loss falls."""
+    folder's model's loss on that batch (its weights, not a random init), and the loss falls; the run exports
+    (`python -m experiments.export`) to a folder holding exactly its trained parameters."""
     from common import override
 
     from experiments import train as tr
@@ -162,9 +163,18 @@ def test_cli_fine_tunes_from_the_folder(tmp_path) -> None:
     assert hf_config.architecture(run.model_cfg) == hf_config.architecture(hf.read_config(ASSETS / "llama"))
     model, _ = hf.from_pretrained(ASSETS / "llama", run.mesh, run.step.strategy)
     first = float(jax.jit(lm_loss)(model, run.task.train_batch(run.step, 0)))
-    losses = tr.train(config)["losses"]
+    summary = tr.train(config)
+    losses = summary["losses"]
     assert abs(losses[0] - first) < 1e-5 * first, (losses[0], first)
     assert losses[-1] < losses[0] - 1.0, losses
+    # python -m experiments.export: the run's last checkpoint as a folder that loads back to the same parameters
+    from experiments import export, sample
+
+    assert export.main(["--run", summary["run_dir"], "--to", str(tmp_path / "out"), "--max_shard_mb", "0.05"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"  # init_from's family
+    trained = nnx.to_pure_dict(nnx.state(sample.load(summary["run_dir"])[0], nnx.Param))
+    back, _ = hf.from_pretrained(tmp_path / "out", sk.make_mesh("data=1", jax.devices()[:1]), "dp")
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(back, nnx.Param)), trained)
 
 
 _TWO_PROCESSES = """
