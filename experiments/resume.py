@@ -17,6 +17,7 @@ import jax
 import ml_collections
 
 import shardkit as sk
+from experiments import init_from
 from experiments.optim import schedule_length
 from shardkit.checkpoint import Checkpointer
 from shardkit.emergency import LocalCheckpointer
@@ -68,7 +69,9 @@ def start(config: ml_collections.ConfigDict, run: Any, ckpt: Checkpointer, local
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         say(f"resumed from step {int(state.step)} (saved under {saved.get('where', '?')}) in {ckpt.directory}")
     else:
-        model = sk.sharded_init(task.make_model, run.mesh, step.strategy, seed=config.seed)
+        model = init_from.initial_model(config, run, say)  # --config.init_from=hf:<dir>, else a random init
+        if model is None:
+            model = sk.sharded_init(task.make_model, run.mesh, step.strategy, seed=config.seed)
         return step.init_state(model), 0
     k = int(state.step)
     if saved.get("seed", config.seed) != config.seed:

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 import shardkit as sk
+from experiments import init_from
 from experiments.data import images, text, volumes
 from experiments.data import tokens as shards
 from models import cosmoflow, unet3d
@@ -37,6 +38,9 @@ TASKS = ("lm", "image_classification", "volume_regression", "volume_segmentation
 
 def model_config(config: ml_collections.ConfigDict, data_vocab: int) -> GPTConfig:
     """GPTConfig from config.model; vocab_size 0 = the data's (padded to 128), max_seq_len 0 = seq_len."""
+    hf = init_from.model_config(config, data_vocab)  # --config.init_from=hf:<dir>: the folder's architecture
+    if hf is not None:
+        return hf
     fields = dict(config.model)
     fields["vocab_size"] = fields["vocab_size"] or -(-data_vocab // 128) * 128
     fields["max_seq_len"] = fields["max_seq_len"] or config.seq_len

@@ -11,6 +11,7 @@ grow with depth. Every parameter has `logical_axes` metadata and every major act
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -21,11 +22,14 @@ import shardkit as sk
 from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
 from models.gpt_loss import chunked_cross_entropy
 from models.gpt_remat import REMAT_ALIASES
+from models.rope import checked_scaling, rope_frequencies
 
 #: The values every block tags for the `names:` / `offload:` remat policies (docs/memory.md): the fused Q/K/V projection
 #: [b, s, kv_heads, g + 2, head_dim], the attention kernel's output [b, s, heads, head_dim] and its output projection
 #: [b, s, embed], the MLP's (normed) input [b, s, embed] and its hidden activation silu(gate) * up [b, s, mlp].
 CHECKPOINT_NAMES = ("qkv_proj", "attn_out", "out_proj", "mlp_in", "mlp_hidden")
+#: `GPTConfig.mlp_activation` -> the gate's activation: SwiGLU (Llama) or GeGLU with tanh's GELU (Gemma)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,14 @@ class GPTConfig:
     mlp_dim: int = 512
     max_seq_len: int = 256
     rope_theta: float = 10_000.0
+    #: RoPE frequency scaling as Hugging Face configs give it (models/hf.py): () none, ("linear", factor), or
+    #: ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_scaling: tuple = ()
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
+    # Gemma (models/hf): embeddings times sqrt(d_model), norms scaled by (offset + weight), GeGLU ("gelu_tanh")
+    scale_embeddings: bool = False
+    norm_offset: float = 0.0
+    mlp_activation: str = "silu"
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     dtype: str = "float32"  # compute dtype ("bfloat16" for mixed precision)
@@ -67,6 +79,7 @@ class GPTConfig:
     z_loss_weight: float = 1e-3  # router z-loss mean(logsumexp(logits)^2)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_scaling", checked_scaling(self.rope_scaling))  # a list from config.json too
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
             if int(getattr(self, name)) < 1:
                 raise sk.ShardkitError(f"{name}={getattr(self, name)} must be >= 1")
@@ -88,6 +101,9 @@ class GPTConfig:
             raise sk.ShardkitError(f"top_k={self.top_k} needs at least that many experts, not {self.num_experts}")
         if self.loss_chunk < 0:
             raise sk.ShardkitError(f"loss_chunk={self.loss_chunk}: positions per chunk (> 0), or 0 for the whole loss")
+        if self.mlp_activation not in ACTIVATIONS or (self.num_experts and self.mlp_activation != "silu"):
+            raise sk.ShardkitError(f"mlp_activation={self.mlp_activation!r}: choose one of {', '.join(ACTIVATIONS)} "
+                                   "(experts: silu)")  # fmt: skip
         if self.remat not in REMAT_ALIASES:
             choices = ", ".join(REMAT_ALIASES)
             raise sk.ShardkitError(f"remat={self.remat!r}: choose one of {choices} (any other policy: the strategy's "
@@ -97,6 +113,7 @@ class GPTConfig:
         """Parameter count; without the embedding table it is the N of FLOPs = 6N per token."""
         e, h = self.d_model, self.head_dim
         attn = e * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         block = attn + 3 * e * self.mlp_dim * max(1, self.num_experts) + 2 * e + e * self.num_experts
         head = 0 if self.tie_embeddings else e * self.vocab_size
         emb = e * self.vocab_size if include_embedding else 0
@@ -126,17 +143,19 @@ def _f32(dtype: jnp.dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     x32 = x.astype(_f32(x.dtype))
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(x32.dtype)).astype(x.dtype)
+    scale = scale.astype(x32.dtype) + offset if offset else scale.astype(x32.dtype)  # Gemma: (1 + w), in fp32
+    return (y * scale).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding of x [b, s, heads, d] at integer positions [b, s] (Su et al. 2104.09864)."""
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) -> jax.Array:
+    """Rotary embedding of x [b, s, heads, d] at integer positions [b, s] (Su et al. 2104.09864), the two halves of
+    the last dimension rotated together (GPT-NeoX's and Hugging Face Llama's layout)."""
     half = x.shape[-1] // 2
     f32 = _f32(x.dtype)
-    freq = theta ** (-jnp.arange(half, dtype=f32) / half)
+    freq = rope_frequencies(half, theta, scaling, f32)
     angle = positions.astype(f32)[..., None, None] * freq  # [b, s, 1, d/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = x[..., :half].astype(f32), x[..., half:].astype(f32)
@@ -155,6 +174,10 @@ class Block(nnx.Module):
         # Q, K and V of one KV group side by side: [embed, kv_heads, g queries + 1 key + 1 value, head_dim]. One
         # matmul means one partial-sum for dX in backward, so tensor parallelism all-reduces once (Megatron's f).
         self.wqkv = _param(rngs, (e, k, g + 2, h), (EMBED, KV_HEADS, None, HEAD_DIM), cfg, std)
+        if cfg.qkv_bias:
+            self.bqkv = nnx.Param(
+                jnp.zeros((k, g + 2, h), jnp.dtype(cfg.param_dtype)), logical_axes=(KV_HEADS, None, HEAD_DIM)
+            )
         self.wo = _param(rngs, (n, h, e), (HEADS, HEAD_DIM, EMBED), cfg, out_std)
         self.mlp_norm = _ones((e,), (EMBED,), cfg)
         if cfg.num_experts:  # the experts' SwiGLU weights stacked on a leading `experts` dimension, and a router
@@ -169,27 +192,30 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         # x: [batch, res_seq, embed]
-        h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
+        h = sk.constrain(rms_norm(x, self.attn_norm[...], cfg.norm_eps, cfg.norm_offset), (BATCH, RES_SEQ, EMBED))
         h = sk.constrain(h, (BATCH, SEQ, EMBED))  # Megatron-SP's all-gather of the sequence (no-op without SP)
         qkv = jnp.einsum("bse,ekgh->bskgh", h, self.wqkv[...].astype(dt))
+        if cfg.qkv_bias:
+            qkv = qkv + self.bqkv[...].astype(dt)
         qkv = sk.layers.tag(sk.constrain(qkv, (BATCH, SEQ, KV_HEADS, None, HEAD_DIM)), "qkv_proj")
         b, s, kv, g2, hd = qkv.shape
         q = sk.constrain(qkv[:, :, :, : g2 - 2].reshape(b, s, kv * (g2 - 2), hd), (BATCH, SEQ, HEADS, HEAD_DIM))
         kv_axes = (BATCH, SEQ, KV_HEADS, HEAD_DIM)
         k, v = sk.constrain(qkv[:, :, :, g2 - 2], kv_axes), sk.constrain(qkv[:, :, :, g2 - 1], kv_axes)
-        q = sk.constrain(rope(q, positions, cfg.rope_theta), (BATCH, SEQ, HEADS, HEAD_DIM))
-        k = sk.constrain(rope(k, positions, cfg.rope_theta), kv_axes)
+        q = sk.constrain(rope(q, positions, cfg.rope_theta, cfg.rope_scaling), (BATCH, SEQ, HEADS, HEAD_DIM))
+        k = sk.constrain(rope(k, positions, cfg.rope_theta, cfg.rope_scaling), kv_axes)
         o = sk.attention.attend(q, k, v, causal=True, segment_ids=segment_ids)
         o = sk.layers.tag(sk.constrain(o, (BATCH, SEQ, HEADS, HEAD_DIM)), "attn_out")
         proj = sk.constrain(jnp.einsum("bsnh,nhe->bse", o, self.wo[...].astype(dt)), (BATCH, RES_SEQ, EMBED))
         x = x + sk.layers.tag(proj, "out_proj")
 
-        h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps), (BATCH, RES_SEQ, EMBED))
+        h = sk.constrain(rms_norm(x, self.mlp_norm[...], cfg.norm_eps, cfg.norm_offset), (BATCH, RES_SEQ, EMBED))
         h = sk.layers.tag(sk.constrain(h, (BATCH, SEQ, EMBED)), "mlp_in")
         if cfg.num_experts:
             return self._moe(x, h)
         gu = sk.constrain(jnp.einsum("bse,etf->bstf", h, self.w_gate_up[...].astype(dt)), (BATCH, SEQ, None, MLP))
-        act = sk.layers.tag(sk.constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP)), "mlp_hidden")
+        gate = ACTIVATIONS[cfg.mlp_activation]
+        act = sk.layers.tag(sk.constrain(gate(gu[:, :, 0]) * gu[:, :, 1], (BATCH, SEQ, MLP)), "mlp_hidden")
         y = jnp.einsum("bsf,fe->bse", act, self.w_down[...].astype(dt))
         return x + sk.constrain(y, (BATCH, RES_SEQ, EMBED))
 
@@ -276,6 +302,8 @@ class GPT(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = sk.embedding.lookup(self.embed[...], tokens, (VOCAB, EMBED), dt)  # the `embed` kernel slot
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), dt)
         x = sk.constrain(x, (BATCH, RES_SEQ, EMBED))
 
         graphdef, layer_state = nnx.split(self.blocks)
@@ -293,7 +321,7 @@ class GPT(nnx.Module):
             x = sk.layers.apply_stack(block, layer_state, x, positions, segment_ids, remat=REMAT_ALIASES[cfg.remat])
             aux = None
 
-        x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+        x = rms_norm(x, self.final_norm[...], cfg.norm_eps, cfg.norm_offset)
         out = x if return_hidden else self.logits(x)  # return_hidden: the final normed activations, no head
         return (out, aux) if return_aux else out
 

@@ -12,6 +12,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.config_name = "gpt_tiny"  # names the run dir (<run_dir>/<config_name>-<strategy>) unless `name` is set
     c.name = ""  # run name; "" = "<config_name>-<strategy>". An existing run dir is resumed.
     c.run_dir = "runs"  # metrics.jsonl, config.json and checkpoints/ go to <run_dir>/<name>/
+    c.init_from = ""  # "hf:<dir>": start from a local Hugging Face Llama / Mistral / Qwen2 folder (its config.json
+    #                  sets the architecture; of `model` only dtype, param_dtype, remat, ... apply; docs/models.md)
 
     # --- hardware and parallelism
     c.hardware = "cpu8"  # preset in meshes/ (peak FLOP/s for MFU, HBM); "auto" = match jax.devices()
