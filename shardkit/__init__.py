@@ -1,6 +1,12 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
+# ruff: noqa: E402  (jax is imported by _import_jax_quietly first, below)
+
 import sys as _sys
+
+from shardkit.targets import import_jax_quietly as _import_jax_quietly
+
+_import_jax_quietly()  # first: JAX's CUDA plugin on a host without a GPU logs no driver search (shardkit/targets.py)
 
 from shardkit import (
     attention,
