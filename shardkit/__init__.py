@@ -1,14 +1,10 @@
 """shardkit: write a Flax model once with logical axis names, train it under any SPMD parallelism."""
 
-# ruff: noqa: E402  (jax is imported by _import_jax_quietly first, below)
-
 import sys as _sys
 
-from shardkit.targets import import_jax_quietly as _import_jax_quietly
-
-_import_jax_quietly()  # first: JAX's CUDA plugin on a host without a GPU logs no driver search (shardkit/targets.py)
-
+# _host first: it imports jax with the CUDA plugin's driver-search lines held back on a host without a GPU
 from shardkit import (
+    _host,  # noqa: F401
     attention,
     checkpoint,
     collectives,
@@ -20,6 +16,7 @@ from shardkit import (
     offload,
     step,
     targets,
+    targets_gpu,  # registers the GPU targets with shardkit.targets
     train,
 )
 from shardkit.checkpoint import Checkpointer, NonFiniteError
@@ -97,6 +94,7 @@ __all__ = [
     "strategy",
     "target",
     "targets",
+    "targets_gpu",
     "tensor3d",
     "train",
     "use_rules",

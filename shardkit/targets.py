@@ -27,17 +27,17 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from shardkit.errors import ShardkitError
-from shardkit.host_platforms import (
+from shardkit._host import (
     _cuda_plugin,
     _register_plugins_quietly,
     _stderr_kept,
     gpu_attached,
     import_jax_quietly,
 )
+from shardkit.errors import ShardkitError
 from shardkit.presets import HardwarePreset, available_presets, load_preset
 
 #: generation -> (libtpu's topology prefix, chip config, TensorCores per name unit, slice shapes by chip count, preset)
@@ -91,10 +91,19 @@ def _parse(name: str) -> tuple[str, int, int, str | None]:
     return gen, n // per_chip, slices, None
 
 
-def _gpu_names() -> str:
-    from shardkit.targets_gpu import example_names as gpu_names
+#: other target families, each (is_name, make, of_kind, names): shardkit/targets_gpu.py registers NVIDIA GPUs
+_FAMILIES: list[tuple[Callable[[str], bool], Callable[..., Any], Callable[[str], Any], Callable[[], str]]] = []
 
-    return gpu_names()
+
+def register_family(is_name: Callable[[str], bool], make: Callable[..., Any], of_kind: Callable[[str], Any],
+                    names: Callable[[], str]) -> None:  # fmt: skip
+    """Adds a family of targets: `is_name(name)` says a name is one of its, `make(name, hbm_margin)` builds it,
+    `of_kind(device_kind)` the target of a device kind (None if not its), `names()` its names for error messages."""
+    _FAMILIES.append((is_name, make, of_kind, names))
+
+
+def _gpu_names() -> str:
+    return "; ".join(names() for *_, names in _FAMILIES)
 
 
 def libtpu_missing() -> str:
@@ -233,11 +242,9 @@ def chip_of(mesh: Any) -> HardwarePreset | None:
     gen = _KINDS.get(d.device_kind)
     if gen is not None:
         return load_preset(_GENERATIONS[gen][4])
-    if d.platform == "gpu":
-        from shardkit.targets_gpu import gpu_of_kind
-
-        if (gpu := gpu_of_kind(d.device_kind)) is not None:  # a GPU target's kind: the target (its HBM margin)
-            return gpu
+    for *_, of_kind, _ in _FAMILIES:  # a registered family's kind (a GPU target): the target, with its HBM margin
+        if (t := of_kind(d.device_kind)) is not None:
+            return t
     for name in available_presets():
         p = load_preset(name)
         if p.device_kind == d.device_kind and not p.groups:
@@ -343,10 +350,9 @@ def target(name: str | Target, *, hbm_margin: float | None = None) -> Target:
         raise ShardkitError(f"target {name!r}: give a name such as 'v5e-8', 'v5p-128' or 'h100-8'")
     if hbm_margin is not None and not 0.0 <= hbm_margin < 1.0:
         raise ShardkitError(f"hbm_margin={hbm_margin}: a fraction of HBM in [0, 1)")
-    from shardkit import targets_gpu
-
-    if targets_gpu.is_gpu_name(name):
-        return targets_gpu.gpu_target(name, hbm_margin)
+    for is_name, make, *_ in _FAMILIES:  # GPU names (shardkit/targets_gpu.py)
+        if is_name(name):
+            return make(name, hbm_margin)
     hbm_margin = HBM_MARGIN if hbm_margin is None else hbm_margin
     gen, chips, slices, shape = _parse(name)
     prefix, chip_config, per_chip, shapes, preset_name = _GENERATIONS[gen]
@@ -358,7 +364,18 @@ def target(name: str | Target, *, hbm_margin: float | None = None) -> Target:
 
 
 __all__ = [
-    "HBM_MARGIN", "Target", "cache_off_for", "chip_of", "compile_only", "gpu_attached", "import_jax_quietly",
-    "keep_host_platforms", "libtpu_missing",
-    "out_of_memory", "require_runnable", "target", "tpu_attached",
+    "HBM_MARGIN",
+    "Target",
+    "cache_off_for",
+    "chip_of",
+    "compile_only",
+    "gpu_attached",
+    "import_jax_quietly",
+    "keep_host_platforms",
+    "libtpu_missing",
+    "out_of_memory",
+    "register_family",
+    "require_runnable",
+    "target",
+    "tpu_attached",
 ]  # fmt: skip

@@ -29,7 +29,7 @@ from typing import Any
 
 from shardkit.errors import ShardkitError
 from shardkit.presets import HardwarePreset, available_presets, load_preset, preset_dirs
-from shardkit.targets import Target
+from shardkit.targets import Target, register_family
 
 #: gpu -> (GpuTargetConfigProto file in meshes/gpu_specs/, preset with the chip's figures)
 GPUS: dict[str, tuple[str, str]] = {
@@ -171,5 +171,7 @@ def gpu_of_kind(device_kind: str) -> GpuTarget | None:
             continue
     return None
 
+
+register_family(is_gpu_name, gpu_target, gpu_of_kind, example_names)
 
 __all__ = ["GPUS", "GPU_HBM_MARGIN", "GpuTarget", "cuda_missing", "gpu_of_kind", "gpu_target", "is_gpu_name"]

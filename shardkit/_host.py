@@ -1,6 +1,7 @@
 """Starting JAX quietly on a host without the accelerator a compiler plugin is installed for (shardkit/targets.py's
 keep_host_platforms): is a GPU attached, and JAX's CUDA plugin loaded with its driver-search log lines held back.
-Imports no jax at module level: `import shardkit` calls import_jax_quietly before anything imports jax."""
+`import shardkit` imports this module first (its name sorts first), and importing it imports jax that way
+(import_jax_quietly, at the end), before anything else imports jax."""
 
 from __future__ import annotations
 
@@ -88,3 +89,6 @@ def _stderr_kept() -> Iterator[Callable[[], str]]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+import_jax_quietly()  # at import: `import shardkit` imports this module before any other (shardkit/__init__.py)
