@@ -93,7 +93,7 @@ def device_kind_of(spec_text: str) -> str:
 @functools.cache
 def _devices(spec_file: str, topology: str) -> tuple[Any, ...]:
     if why := cuda_missing():
-        raise ShardkitError(f"cannot compile for GPU target {topology!r}: {why}")
+        raise ShardkitError(f"cannot compile for GPU topology {topology!r} ({spec_file}): {why}")
     from jax.experimental import topologies
 
     spec = spec_path(spec_file).read_text()
@@ -122,6 +122,8 @@ class GpuTarget(Target):
     @property
     def devices(self) -> list[Any]:
         """The compile-only devices, host by host, from XLA's topology description; cached per process."""
+        if why := cuda_missing():
+            raise ShardkitError(f"cannot compile for GPU target {self.name!r}: {why}")
         return list(_devices(self.spec, self.topology))
 
     @property
