@@ -4,9 +4,10 @@
     python -m experiments.train --config.compile_only                     # this machine's devices, no training
 
 Builds the train step on the abstract model (no parameter allocated, no data read beyond the vocabulary), compiles
-it for an abstract batch (`step.abstract_batch`) on the target's devices (XLA's TPU compiler for a TPU target) and
-prints `sk.explain`'s report: collectives read back from the program, memory per device next to the cost model's
-prediction, and whether the peak fits in the chip's HBM. `train` returns its summary; the CLI exits 0 if it fits,
+it for an abstract batch (`step.abstract_batch`) on the target's devices (XLA's TPU compiler for a TPU target, its
+CUDA compiler for a GPU one: shardkit/targets_gpu.py) and prints `sk.explain`'s report: collectives read back
+from the program, memory per device next to the cost model's prediction, and whether the peak fits in the chip's
+HBM. `train` returns its summary; the CLI exits 0 if it fits,
 1 if not (and 2 for a configuration error, as every run). `--config.save_executable=path` also writes the
 serialized executable (jax.experimental.serialize_executable), for a TPU host to load without compiling.
 """
@@ -49,6 +50,18 @@ def fit_mesh(axes: dict[str, int], num_devices: int) -> tuple[dict[str, int], st
     return cand, "proportions NOT kept (no common factor fits): the largest axes divided until it fits"
 
 
+def _slices_outermost(axes: dict[str, int], slices: int) -> dict[str, int]:
+    """The strategy's default mesh with its first axis a multiple of the target's slices (hosts), which it must span
+    (sk.make_mesh): the missing factor moved from the first later axis that has it (data=2,fsdp=16 on 4 hosts ->
+    data=4,fsdp=8); unchanged when none has it (make_mesh then says what to give)."""
+    names, first = list(axes), next(iter(axes))
+    need = slices // math.gcd(axes[first], slices)
+    for a in names[1:]:
+        if need > 1 and axes[a] % need == 0:
+            return {**axes, first: axes[first] * need, a: axes[a] // need}
+    return axes
+
+
 def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[str] = ()) -> tuple[Report, str]:
     """(report, header) for the plan `config` describes; no parameter allocated. A GPT config reads no data (its
     vocabulary is the byte tokenizer's); an image config reads the bundled dataset's shape and classes.
@@ -63,6 +76,8 @@ def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[s
     tgt = sk.target(config.target) if config.get("target") else None  # hardware that need not be present
     n_here = tgt.num_devices if tgt else jax.device_count()
     target = runtime.target_axes(config, n_here)
+    if tgt and tgt.num_slices > 1 and config.mesh.strip() == "auto":
+        target = _slices_outermost(target, tgt.num_slices)
     built, how = fit_mesh(target, n_here)
     if tgt and built != target:
         raise sk.ShardkitError(
@@ -97,7 +112,7 @@ def explain_config(config: ml_collections.ConfigDict, remat_policies: Sequence[s
     grid = lambda m: ",".join(f"{a}={n}" for a, n in m.items())
     header = (f"{config.config_name}: {model_cfg.num_params() / 1e6:.2f}M parameters, {config.strategy}, "
               f"mesh {grid(target)} ({math.prod(target.values())} devices"
-              f"{f' of target {tgt}, compiled by XLA TPU compiler' if tgt else ''}"
+              f"{f' of target {tgt}, compiled by {tgt.compiler}' if tgt else ''}"
               f"{', auto: --config.mesh=... to choose' if config.mesh.strip() == 'auto' else ''})")  # fmt: skip
     if scaled:
         header += (f"\nthis machine has {n_here} {jax.devices()[0].platform} devices, fewer than the plan's "
@@ -152,7 +167,7 @@ def run(config: ml_collections.ConfigDict, say: Callable[[str], None], build: Ca
         why = sk.targets.out_of_memory(e)
         if not why:
             raise
-        # the TPU compiler's own verdict: it will not emit a program larger than the chip's HBM
+        # the compiler's own verdict (XLA:TPU's): it will not emit a program larger than the chip's HBM
         where = config.get("target") or "these devices"
         say(f"fits in HBM: NO -- XLA's compiler refused the program for {where}: {why}")
         for note in getattr(e, "__notes__", []):

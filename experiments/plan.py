@@ -145,7 +145,7 @@ def compiled_ranking(args: argparse.Namespace, plans: list[costmodel.Plan], batc
             continue
         rows.append((p, report, time.perf_counter() - t0, ""))
     key = lambda r: (not (r[1] and r[1].fits), sum(c.bytes_sent for c in r[1].collectives) if r[1] else 0.0)
-    where = f"XLA's TPU compiler for {args.target}" if args.target else "this machine's compiler"
+    where = f"{sk.target(args.target).compiler} for {args.target}" if args.target else "this machine's compiler"
     print(
         f"\nthe top {len(rows)} plans compiled by {where}, ranked by what it says (fits first, then collective bytes):"
     )

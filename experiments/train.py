@@ -32,6 +32,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n.group(1) if _n else 8}"
     ).strip()
 
+import shardkit  # noqa: F401, I001  (before jax: JAX's CUDA plugin starts quietly on a host without a GPU)
+
 import contextlib
 import dataclasses
 import json

@@ -7,7 +7,9 @@ functions are the API (`sk.attention.ring_attention`, `sk.tensor3d.linear`, `sk.
 import warnings as _warnings
 from typing import Any as _Any
 
+# _host first: it imports jax with the CUDA plugin's driver-search lines held back on a host without a GPU
 from shardkit import (
+    _host,  # noqa: F401
     attention,
     collectives,
     costmodel,
@@ -16,6 +18,7 @@ from shardkit import (
     kernels,
     layers,
     offload,
+    targets_gpu,  # noqa: F401  (registers the GPU targets with shardkit.targets)
 )
 from shardkit.checkpoint import Checkpointer, NonFiniteError
 from shardkit.clipping import clip_by_global_norm, global_norm

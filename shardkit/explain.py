@@ -327,10 +327,12 @@ def explain(
     if getattr(step, "microbatches", 1) > 1:
         notes.append(f"{step.microbatches} microbatches: predictions assume none (one gradient reduction per step)")
     fused = collections.Counter()
-    for name, n in hlo.kernel_calls(compiled) if platform == "tpu" else ():
+    for name, n in hlo.kernel_calls(compiled, "gpu" if platform == "gpu" else "tpu_custom_call"):
         fused[name] += n
     if fused:
-        notes.append("Mosaic kernels per step (Pallas, e.g. attention_block=splash): "
+        kind = "Triton / cuDNN kernels" if platform == "gpu" else "Mosaic kernels"
+        example = "pallas_gpu, cudnn" if platform == "gpu" else "splash"
+        notes.append(f"{kind} per step (Pallas, e.g. attention_block={example}): "
                      + ", ".join(f"{k} x{n}" for k, n in sorted(fused.items()))
                      + "; their FLOPs are inside the kernels, not among the HLO's dots")  # fmt: skip
     own = getattr(step, "predict_costs", None)  # a step that knows its own collectives (SDP's holder averaging)

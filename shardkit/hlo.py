@@ -276,8 +276,27 @@ def _taps(n_in: int, n_out: int, size: int, stride=1, pad=0, lhs_dilate=1, rhs_d
     return int(np.count_nonzero((pos >= 0) & (pos <= (n_in - 1) * lhs_dilate) & (pos % lhs_dilate == 0)))
 
 
+#: XLA:GPU's gemm library calls: `custom-call(%lhs, %rhs), custom_call_target="__cublas$lt$matmul"`, the dot's
+#: dimension numbers in backend_config (`"lhs_contracting_dimensions":["1"]`), the result first in a tuple with the
+#: workspace (`(bf16[512,384], s8[4194304])`). Triton gemms are fusions whose body holds the dot: read as dots.
+_GEMM_CALLS = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:matmul|gemm)[^"]*"')
+
+
+def _gemm_call_flops(ins: _Instr, types: dict[str, str]) -> int:
+    """2 x multiply-adds of one cuBLAS gemm custom call (0 if its dimension numbers cannot be read)."""
+    res, lhs = _SHAPE.search(ins.type), _SHAPE.search(types.get(ins.operands[0], "")) if ins.operands else None
+    contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    if not (res and lhs and contracting):
+        return 0
+    dims = _ints(lhs.group(2))
+    k = math.prod(dims[int(i)] for i in re.findall(r"\d+", contracting.group(1)) if int(i) < len(dims))
+    return 2 * math.prod(_ints(res.group(2))) * k
+
+
 def _dot_flops(ins: _Instr, types: dict[str, str]) -> int:
-    """2 x multiply-adds of one dot or convolution instruction (0 for other ops)."""
+    """2 x multiply-adds of one dot, convolution or cuBLAS gemm call (0 for other ops)."""
+    if ins.opcode == "custom-call":
+        return _gemm_call_flops(ins, types) if _GEMM_CALLS.search(ins.attrs) else 0
     out = sum(math.prod(_ints(d)) for _, d in _SHAPE.findall(ins.type.split("{")[0])) if ins.type else 0
     if ins.opcode == "dot" and ins.operands:
         lhs = _SHAPE.search(types.get(ins.operands[0], ""))
@@ -311,17 +330,30 @@ def matmul_flops(compiled_or_hlo_text: Any) -> int:
     return sum(m * sum(_dot_flops(ins, types) for ins in mod.comps[c]) for c, (m, _) in _multipliers(mod).items() if m)
 
 
+def _gpu_kernel(ins: _Instr) -> str:
+    """The name of an XLA:GPU fused-kernel call, '' for other instructions: a Pallas GPU (Triton) kernel
+    (`custom_call_target="__gpu$xla.gpu.triton"`, its name in backend_config: `name = "mha_forward"`) or a cuDNN
+    one (`__cudnn$fmhaSoftmax`, `...Backward`: "cudnn:fmhaSoftmax")."""
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attrs) if ins.opcode == "custom-call" else None
+    if target and target.group(1) == "__gpu$xla.gpu.triton":
+        name = re.search(r'\bname = "([^"]*)"', ins.attrs)
+        return name.group(1) if name else re.sub(r"\.\d+$", "", ins.name)
+    return f"cudnn:{target.group(1)[8:]}" if target and target.group(1).startswith("__cudnn$") else ""
+
+
 def kernel_calls(compiled_or_hlo_text: Any, target: str = "tpu_custom_call") -> list[tuple[str, int]]:
     """(kernel, executions per step) of each custom call to `target` in a compiled step: which fused kernels run
-    ("tpu_custom_call": Mosaic, Pallas's TPU kernels, named after the kernel, e.g. `splash_mqa_fwd_residuals`) and how
-    often, loop trip counts included (a kernel inside the ring's loop runs once per ring step; each branch of a
-    conditional counts as run). Their FLOPs are inside the kernels: `matmul_flops` does not see them."""
+    ("tpu_custom_call": Mosaic, Pallas's TPU kernels, named after the kernel, e.g. `splash_mqa_fwd_residuals`;
+    "gpu": Pallas's GPU (Triton) kernels by their name, e.g. `mha_forward`, and cuDNN's, e.g. `cudnn:fmhaSoftmax`)
+    and how often, loop trip counts included (a kernel inside the ring's loop runs once per ring step; each branch
+    of a conditional counts as run). Their FLOPs are inside the kernels: `matmul_flops` does not see them."""
     src = compiled_or_hlo_text
     mod = _parse_module(src if isinstance(src, str) else src.as_text())
     mult = _multipliers(mod)
     mosaic = lambda ins: ins.opcode == "custom-call" and f'custom_call_target="{target}"' in ins.attrs
-    return [(re.sub(r"\.\d+$", "", ins.name), mult.get(cname, (0, False))[0])
-            for cname, instrs in mod.comps.items() for ins in instrs if mosaic(ins)]  # fmt: skip
+    name = _gpu_kernel if target == "gpu" else lambda ins: re.sub(r"\.\d+$", "", ins.name) if mosaic(ins) else ""
+    return [(n, mult.get(cname, (0, False))[0])
+            for cname, instrs in mod.comps.items() for ins in instrs if (n := name(ins))]  # fmt: skip
 
 
 def summarize(colls: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
@@ -89,15 +90,17 @@ def resolve_axes(spec: str | Mapping[str, int], num_devices: int) -> dict[str, i
 def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None, *, target: Any = None) -> Mesh:
     """A Mesh with Auto axes from 'data=2,fsdp=4', a dict, or a preset name; validates everything first.
 
-    `target`: a TPU slice that need not be present (`sk.target("v5p-128")` or its name): the mesh is built on its
-    compile-only devices (shardkit/targets.py), for lowering, compiling and `sk.explain`; nothing runs on them. On a
-    multi-slice target the first axis spans the slices (DCN, the slowest links) and must be a multiple of their
-    number."""
+    `target`: a TPU slice or GPU nodes that need not be present (`sk.target("v5p-128")`, `"h100-8x4"` or the name):
+    the mesh is built on its compile-only devices (shardkit/targets.py), for lowering, compiling and `sk.explain`;
+    nothing runs on them. On a multi-slice (multi-host GPU) target the first axis spans the slices (hosts: DCN /
+    InfiniBand, the slowest links) and must be a multiple of their number."""
     if target is not None:
         if devices is not None:
             raise ShardkitError("make_mesh: give devices= or target=, not both (a target brings its own devices)")
         tgt = get_target(target)
         axes = resolve_axes(spec, tgt.num_devices)
+        if tgt.platform == "gpu":
+            return _host_major_mesh(axes, tgt)
         if tgt.num_slices > 1:
             return _multislice_mesh(axes, tgt)
         grid = mesh_utils.create_device_mesh(tuple(axes.values()), tgt.devices, allow_split_physical_axes=True)
@@ -177,6 +180,20 @@ def _multislice_mesh(axes: dict[str, int], tgt: Any) -> Mesh:
     ici = (degree // tgt.num_slices, *list(axes.values())[1:])
     dcn = (tgt.num_slices,) + (1,) * (len(axes) - 1)
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, tgt.devices, allow_split_physical_axes=True)
+    return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def _host_major_mesh(axes: dict[str, int], tgt: Any) -> Mesh:
+    """GPU nodes: the devices host by host (NVSwitch joins a host's GPUs all to all, so their order within a host
+    does not matter), reshaped so that the first axis is outermost: with it a multiple of the hosts, every other axis
+    stays inside one host."""
+    first, degree = next(iter(axes.items()))
+    if degree % tgt.num_slices:
+        raise ShardkitError(
+            f"target {tgt.name} has {tgt.num_slices} hosts joined by InfiniBand, which the mesh's first axis "
+            f"{first}={degree} must span: make it a multiple of {tgt.num_slices} (e.g. data={tgt.num_slices},...)"
+        )
+    grid = np.array(tgt.devices, dtype=object).reshape(tuple(axes.values()))
     return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 

@@ -27,10 +27,16 @@ import math
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from shardkit._host import (
+    _cuda_plugin,
+    _register_plugins_quietly,
+    _stderr_kept,
+    gpu_attached,
+    import_jax_quietly,
+)
 from shardkit.errors import ShardkitError
 from shardkit.presets import HardwarePreset, available_presets, load_preset
 
@@ -73,7 +79,7 @@ def _parse(name: str) -> tuple[str, int, int, str | None]:
             f"unknown target {name!r}: give a TPU slice by its Cloud name, e.g. "
             + "; ".join(example_names())
             + " (v4 / v5p count TensorCores, two per chip); add 'x<k>' for k slices ('v5e-8x2'), or a libtpu "
-            "topology such as 'v5e:2x4'"
+            "topology such as 'v5e:2x4'; or a GPU node: " + _gpu_names()
         )
     n, slices = int(m.group(2)), int(m.group(3) or 1)
     per_chip, shapes = _GENERATIONS[gen][2], _GENERATIONS[gen][3]
@@ -83,6 +89,21 @@ def _parse(name: str) -> tuple[str, int, int, str | None]:
             f" ({gen}'s number counts TensorCores, two per chip)" if per_chip == 2 else "") +
             "; for another shape give libtpu's topology name, e.g. 'v5e:2x4'")  # fmt: skip
     return gen, n // per_chip, slices, None
+
+
+#: other target families, each (is_name, make, of_kind, names): shardkit/targets_gpu.py registers NVIDIA GPUs
+_FAMILIES: list[tuple[Callable[[str], bool], Callable[..., Any], Callable[[str], Any], Callable[[], str]]] = []
+
+
+def register_family(is_name: Callable[[str], bool], make: Callable[..., Any], of_kind: Callable[[str], Any],
+                    names: Callable[[], str]) -> None:  # fmt: skip
+    """Adds a family of targets: `is_name(name)` says a name is one of its, `make(name, hbm_margin)` builds it,
+    `of_kind(device_kind)` the target of a device kind (None if not its), `names()` its names for error messages."""
+    _FAMILIES.append((is_name, make, of_kind, names))
+
+
+def _gpu_names() -> str:
+    return "; ".join(names() for *_, names in _FAMILIES)
 
 
 def libtpu_missing() -> str:
@@ -111,22 +132,30 @@ def _pci_vendors() -> list[Any]:
 
 
 def keep_host_platforms() -> None:
-    """On a host with libtpu installed but no TPU attached, JAX's TPU plugin probes for a chip at start-up and prints
-    libtpu's TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings and an INVALID_ARGUMENT line. Unless the user chose
-    the platforms (`JAX_PLATFORMS` / jax_platforms), keep JAX on this host's own platforms there; the TPU compiler
-    stays available for targets (`jax.experimental.topologies` loads it on demand). A host with a TPU keeps JAX's
-    default (the TPU). Runs at `import shardkit`, before JAX's backends start; afterwards it changes nothing."""
+    """On a host without the accelerator a compiler plugin is installed for, JAX's plugins probe for it at start-up:
+    libtpu prints TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES warnings and an INVALID_ARGUMENT line, JAX's CUDA plugin
+    logs "Unable to load CUDA" (a traceback) and is then not registered. Unless the user chose the platforms
+    (`JAX_PLATFORMS` / jax_platforms), keep JAX on this host's CPU there; the compilers stay available for targets
+    (`jax.experimental.topologies` loads them on demand). A host with a TPU or GPU keeps JAX's default (on a GPU host
+    with libtpu installed: "cuda,cpu", without the TPU probe). The CUDA plugin's registration on a GPU-less host
+    (its libraries' "Could not find cuda drivers" lines) is done here, quietly. Runs at `import shardkit`, before
+    JAX's backends start; afterwards it changes nothing."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata-server query from a compile-only host
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")  # several processes (pytest-xdist) may load it
     import jax
     from jax._src import xla_bridge
 
-    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or xla_bridge.backends_are_initialized():
+    if xla_bridge.backends_are_initialized():
         return
-    if libtpu_missing() or tpu_attached():
-        return
-    gpu = any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin"))
-    jax.config.update("jax_platforms", "cuda,cpu" if gpu else "cpu")
+    cuda, gpu = _cuda_plugin(), gpu_attached()
+    chosen = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+    if not chosen:
+        if tpu_attached() or (gpu and libtpu_missing()) or (not cuda and libtpu_missing()):
+            return  # JAX's default: its own accelerator, or nothing installed that would probe for an absent one
+        chosen = ("cuda,cpu" if cuda else "rocm,cpu") if gpu else "cpu"
+        jax.config.update("jax_platforms", chosen)
+    if cuda and not gpu and not {"cuda", "gpu"} & set(chosen.replace(" ", "").split(",")):
+        _register_plugins_quietly()
 
 
 def compile_only(mesh: Any) -> bool:
@@ -213,6 +242,9 @@ def chip_of(mesh: Any) -> HardwarePreset | None:
     gen = _KINDS.get(d.device_kind)
     if gen is not None:
         return load_preset(_GENERATIONS[gen][4])
+    for *_, of_kind, _ in _FAMILIES:  # a registered family's kind (a GPU target): the target, with its HBM margin
+        if (t := of_kind(d.device_kind)) is not None:
+            return t
     for name in available_presets():
         p = load_preset(name)
         if p.device_kind == d.device_kind and not p.groups:
@@ -240,20 +272,6 @@ def _devices(topology: str, chip_config: str | None, slices: int) -> tuple[Any, 
     return tuple(desc.devices)
 
 
-@contextlib.contextmanager
-def _stderr_kept() -> Iterator[Callable[[], str]]:
-    """Holds what C++ code writes to file descriptor 2 meanwhile; yields a function that returns it."""
-    sys.stderr.flush()
-    with tempfile.TemporaryFile() as buf:
-        saved = os.dup(2)
-        os.dup2(buf.fileno(), 2)
-        try:
-            yield lambda: (buf.seek(0), buf.read().decode(errors="replace"))[1]
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A TPU slice (or several) that need not be present: its compile-only devices and its chip's figures."""
@@ -268,6 +286,7 @@ class Target:
     hbm_margin: float = HBM_MARGIN  # fraction of HBM `fits` keeps back
 
     platform = "tpu"
+    compiler = "XLA's TPU compiler"
 
     @property
     def num_devices(self) -> int:
@@ -318,17 +337,23 @@ class Target:
         return f"{self.name} ({self.num_devices} x {self.device_kind}, topology {self.topology}{slices}; {chip})"
 
 
-def target(name: str | Target, *, hbm_margin: float = HBM_MARGIN) -> Target:
-    """The TPU target named `name` ("v5e-8", "v5p-128", "v6e-256", "v4-32", "v5e-8x2", or "v5e:2x4").
+def target(name: str | Target, *, hbm_margin: float | None = None) -> Target:
+    """The TPU target named `name` ("v5e-8", "v5p-128", "v6e-256", "v4-32", "v5e-8x2", or "v5e:2x4"), or the GPU
+    target ("h100-8", "h100-8x4": 4 hosts of 8, "a100-8", "b200-8", "h200-8"; shardkit/targets_gpu.py).
 
-    Its devices are created on first use (`Target.devices`); a missing libtpu or an unknown name raises a
-    ShardkitError naming the package or the names that exist."""
+    Its devices are created on first use (`Target.devices`); a missing compiler (libtpu, JAX's CUDA plugin) or an
+    unknown name raises a ShardkitError naming the packages or the names that exist. `hbm_margin`: the fraction of
+    HBM `fits` keeps back (default HBM_MARGIN on TPU, targets_gpu.GPU_HBM_MARGIN on GPU)."""
     if isinstance(name, Target):
         return name
     if not isinstance(name, str):
-        raise ShardkitError(f"target {name!r}: give a name such as 'v5e-8' or 'v5p-128'")
-    if not 0.0 <= hbm_margin < 1.0:
+        raise ShardkitError(f"target {name!r}: give a name such as 'v5e-8', 'v5p-128' or 'h100-8'")
+    if hbm_margin is not None and not 0.0 <= hbm_margin < 1.0:
         raise ShardkitError(f"hbm_margin={hbm_margin}: a fraction of HBM in [0, 1)")
+    for is_name, make, *_ in _FAMILIES:  # GPU names (shardkit/targets_gpu.py)
+        if is_name(name):
+            return make(name, hbm_margin)
+    hbm_margin = HBM_MARGIN if hbm_margin is None else hbm_margin
     gen, chips, slices, shape = _parse(name)
     prefix, chip_config, per_chip, shapes, preset_name = _GENERATIONS[gen]
     shape = shape or shapes[chips]
@@ -339,6 +364,18 @@ def target(name: str | Target, *, hbm_margin: float = HBM_MARGIN) -> Target:
 
 
 __all__ = [
-    "HBM_MARGIN", "Target", "cache_off_for", "chip_of", "compile_only", "keep_host_platforms", "libtpu_missing",
-    "out_of_memory", "require_runnable", "target", "tpu_attached",
+    "HBM_MARGIN",
+    "Target",
+    "cache_off_for",
+    "chip_of",
+    "compile_only",
+    "gpu_attached",
+    "import_jax_quietly",
+    "keep_host_platforms",
+    "libtpu_missing",
+    "out_of_memory",
+    "register_family",
+    "require_runnable",
+    "target",
+    "tpu_attached",
 ]  # fmt: skip

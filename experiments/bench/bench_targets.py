@@ -42,7 +42,8 @@ MESHES = {
     "pp": "stage=4",
     "ep": "data=2,expert=4",
 }
-#: strategies compiled for another target than --target: pp's mesh is stage only, one stage per layer (4 layers)
+#: strategies compiled for another target than --target: pp's mesh is stage only, one stage per layer (4 layers);
+#: on a GPU target, 4 of its GPUs ("h100-4")
 TARGETS = {"pp": "v5e-4"}
 CFG = GPTConfig(num_layers=4, d_model=512, num_heads=8, num_kv_heads=8, head_dim=64, mlp_dim=2048, vocab_size=1024,
                 max_seq_len=1024)  # fmt: skip
@@ -56,7 +57,8 @@ def model_for(strategy: str) -> GPTConfig:
 def measure(strategy: str, target: str, attention_block: str = "auto") -> dict[str, Any]:
     """One strategy compiled for the target: the report's rows, compiled vs predicted."""
     cfg = model_for(strategy)
-    target = TARGETS.get(strategy, target)
+    gpu = sk.target(target).platform == "gpu"
+    target = f"{target.split('-')[0]}-4" if gpu and strategy in TARGETS else TARGETS.get(strategy, target)
     mesh = sk.make_mesh(MESHES[strategy], target=target)
     named = sk.strategy(strategy)
     named = named.replace(kernels={**named.kernels, "attention_block": attention_block})

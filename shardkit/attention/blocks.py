@@ -80,6 +80,19 @@ def dense_keeps_xla(rules: Any, mesh: Any) -> bool:
     return any(n > 1 and a not in used for a, n in mesh.items())
 
 
+@functools.cache
+def cudnn_loadable() -> bool:
+    """Whether cuDNN's library loads in this process: JAX reads its version while it traces a cuDNN attention call, so
+    a host without it (a GPU target compiled with the small CUDA set, docs/targets.md) cannot trace one; `auto` then
+    leaves local attention to XLA."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        return check_cudnn_version() > 0
+    except Exception:  # no CUDA plugin, no libcudnn, or another jax's private layout
+        return False
+
+
 def resolve(
     name: str | None, platform: str, *, lengths: tuple[int, ...], ring: bool, dtype: Any, segment_ids: bool,
     what: str, devices: int = 1, strict: bool = False,
@@ -105,7 +118,7 @@ def resolve(
             return "splash"
         if gpu and ring and _fits_splash(lengths) and not segment_ids and not strict:
             return "pallas_gpu"
-        if gpu and not ring and jnp.dtype(dtype).name in CUDNN_DTYPES and not segment_ids:
+        if gpu and not ring and jnp.dtype(dtype).name in CUDNN_DTYPES and not segment_ids and cudnn_loadable():
             return "cudnn"
         return "xla"
     if ring and name not in MERGEABLE:
@@ -144,6 +157,11 @@ def resolve(
     if name == "cudnn":
         if not gpu:
             raise ShardkitError(f"{what}: attention_block=cudnn runs on NVIDIA GPUs; this program is for {platform!r}")
+        if not cudnn_loadable():
+            raise ShardkitError(
+                f"{what}: attention_block=cudnn is traced through cuDNN's library (jax checks its version), which this "
+                "host lacks: pip install nvidia-cudnn-cu12 (jax[cuda12] brings it), or use attention_block=xla"
+            )
         if jnp.dtype(dtype).name not in CUDNN_DTYPES or segment_ids:
             raise ShardkitError(
                 f"{what}: attention_block=cudnn takes bf16/fp16 inputs without segment ids (got {jnp.dtype(dtype).name}"

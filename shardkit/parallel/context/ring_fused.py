@@ -87,6 +87,20 @@ def _rows(x: Any, rows: slice, axis: int) -> Any:
     return None if x is None else x[(slice(None),) * (axis % x.ndim) + (rows,)]
 
 
+def _put(x: jax.Array, rows: slice, axis: int, y: jax.Array, add: bool = False) -> jax.Array:
+    """`x` with its `rows` along `axis` set to `y` (with `add`: `y` added), by static slices. Not `x.at[rows].set`:
+    its index arrays (int32[0] constants for a slice) are lifted into the ring's shard_map as zero-sized operands,
+    and XLA's Shardy pass refuses a shard_map whose operands are all such constants (it finds none produced by a
+    GlobalToLocalShape; met under the GPU kernel, issue 50)."""
+    axis = axis % x.ndim
+    start, stop, _ = rows.indices(x.shape[axis])
+    if add:
+        y = lax.slice_in_dim(x, start, stop, axis=axis) + y
+    if (start, stop) == (0, x.shape[axis]):
+        return y.astype(x.dtype)
+    return lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), start, axis)
+
+
 def _forward(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tuple:
     rank, _, scale = prepare(cfg, q)
     kv, c = k.shape[2], q.shape[1]
@@ -102,7 +116,7 @@ def _forward(cfg: Any, q: jax.Array, k: jax.Array, v: jax.Array, seg: Any) -> tu
         old, old_o = _rows(lse_acc, plan.rows, -1), _rows(o_acc, plan.rows, -2)
         new = jnp.logaddexp(old, lse)
         o = jnp.exp(old - new)[..., None] * old_o + jnp.exp(lse - new)[..., None] * o
-        return o_acc.at[..., plan.rows, :].set(o), lse_acc.at[..., plan.rows].set(new)
+        return _put(o_acc, plan.rows, -2, o), _put(lse_acc, plan.rows, -1, new)
 
     def step(t: jax.Array, travelling: tuple, acc: tuple) -> tuple:
         return (), _by_plan(cfg, c, rank, t, merge, acc, *travelling)
@@ -126,7 +140,7 @@ def _fused_bwd(cfg: Any, res: tuple, do: jax.Array) -> tuple:
             _rows(kseg, cols, 1), _rows(oh, r, -2), _rows(lse, r, -1), _rows(doh, r, -2), interpret,
         )  # fmt: skip
         f32 = lambda x: x.astype(jnp.float32)
-        return dq.at[..., r, :].add(f32(gq)), dk.at[..., cols, :].add(f32(gk)), dv.at[..., cols, :].add(f32(gv))
+        return _put(dq, r, -2, f32(gq), True), _put(dk, cols, -2, f32(gk), True), _put(dv, cols, -2, f32(gv), True)
 
     def step(t: jax.Array, travelling: tuple, dq: jax.Array) -> tuple:
         k, v, kseg, dk, dv = travelling
