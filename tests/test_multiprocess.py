@@ -121,12 +121,41 @@ FAULTS = {"heartbeat_timeout": 5, "emergency_every": 2}  # a dead peer noticed w
 TRACES = ("Traceback", "Check failure", "Fatal Python error", "Thread 0x", "*** ")  # none may reach the terminal
 
 
-class Process:
-    """One `python -m experiments.train` of a 2-process run, started as a cluster starts it: environment only."""
+def srun_env(pid: int, port: int) -> dict[str, str]:
+    """What `srun --ntasks=2` sets for task `pid` on one node (and no JAX_* variable): JAX's Slurm detector takes
+    the coordinator from the node list and a port from the job id (job id % 4096 + 61440, so `port` is chosen)."""
+    env = {k: v for k, v in child_env(pid, 2, 4, port).items() if not k.startswith(("JAX_COORD", "JAX_NUM", "JAX_PRO"))}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID=str(port - 61440 + 4096 * 7), SLURM_STEP_ID="0", SLURM_STEP_NODELIST="localhost",
+               SLURM_NODELIST="localhost", SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2", SLURM_NNODES="1",
+               SLURM_STEP_NUM_NODES="1", SLURM_PROCID=str(pid), SLURM_LOCALID=str(pid), SLURM_NODEID="0")  # fmt: skip
+    return env
 
-    def __init__(self, tmp: Path, name: str, pid: int, port: int, env: dict | None = None, **over):
+
+def slurm_port() -> int:
+    """A free port in the range JAX's Slurm detector derives from a job id."""
+    import random
+    import socket
+
+    for port in random.sample(range(61440, 65536), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 61440-65535")
+
+
+class Process:
+    """One `python -m experiments.train` of a 2-process run, started as a cluster starts it: environment only (the
+    JAX_* variables, or with `slurm` only what srun sets)."""
+
+    def __init__(self, tmp: Path, name: str, pid: int, port: int, env: dict | None = None, slurm: bool = False,
+                 **over):  # fmt: skip
         flags = [f"--config.{k}={v}" for k, v in _settings(tmp, name, **FAULTS, **over).items()]
-        environ = {**child_env(pid, 2, 4, port), **(env or {})}  # the variables a cluster's launcher would set
+        launcher = srun_env(pid, port) if slurm else child_env(pid, 2, 4, port)
+        environ = {**launcher, **(env or {})}  # the variables a cluster's launcher would set
         self.proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *flags], cwd=REPO, env=environ,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         self.out: queue.Queue[str] = queue.Queue()
@@ -170,9 +199,9 @@ class Process:
             self.proc.wait()
 
 
-def _pair(tmp, name, env=None, **over):
-    port = free_port()
-    return [Process(tmp, name, i, port, env, **over) for i in range(2)]
+def _pair(tmp, name, env=None, slurm=False, **over):
+    port = slurm_port() if slurm else free_port()
+    return [Process(tmp, name, i, port, env, slurm, **over) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +289,56 @@ def test_a_hung_process_is_caught_by_the_watchdog_in_every_process(tmp):
             )
             stacks = (tmp / "runs" / "hang" / "logs" / f"hang-p{i}.txt").read_text()
             assert "hang_here" in stacks if i == 1 else "train.py" in stacks
+
+
+@pytest.mark.slow
+def test_under_srun_ctrl_c_is_synced_and_a_peer_killed_inside_a_save_is_named(tmp, reference):
+    """Started with only the variables srun sets (JAX's Slurm detector finds the coordinator): a Ctrl-C to process 1
+    alone stops both at the same checkpointed step; the restart resumes there, and process 1, SIGKILLed inside the
+    final checkpoint save (after its part was handed to orbax, before the commit: SHARDKIT_INJECT_KILL), leaves
+    process 0 with one line naming it, the save it was in and the step to resume from (exit 75); the half-written
+    step is never taken for a good one: the last restart resumes from that step and ends bit for bit on the
+    uninterrupted run's losses."""
+    pair = _pair(tmp, "srun", slurm=True)
+    try:
+        found = pair[0].until(r"distributed: SlurmCluster matched")
+        assert "process 0 of 2, coordinator localhost:" in found, found
+        pair[0].until(r"^step +1/")
+        pair[1].proc.send_signal(signal.SIGINT)  # a terminal's Ctrl-C, on process 1's host only
+        (rc0, out0), (rc1, out1) = pair[0].finish(60), pair[1].finish(60)
+    finally:
+        for p in pair:
+            p.kill()
+    assert (rc0, rc1) == (128 + signal.SIGTERM, 128 + signal.SIGINT), (rc0, rc1, out0[-3000:], out1[-2000:])
+    saved = int(re.search(r"SIGTERM: checkpointed step (\d+)", out0).group(1))
+    assert f"SIGINT: checkpointed step {saved}" in out1 and "!error" not in out0 + out1, out1[-2000:]
+    pair = _pair(tmp, "srun", env={"SHARDKIT_INJECT_KILL": f"{RUN['steps']}:1"}, slurm=True)
+    try:
+        assert f"resumed from step {saved} " in pair[0].until("resumed from")
+        (rc0, out0), (rc1, out1) = pair[0].finish(90), pair[1].finish(90)
+    finally:
+        for p in pair:
+            p.kill()
+    assert rc0 == 75 and rc1 == 137, (rc0, rc1, out0[-3000:], out1[-2000:])
+    resume = 10 if saved < 10 else saved  # the newest emergency checkpoint (every 2 steps) after the restart
+    errors = [ln for ln in out0.splitlines() if ln.startswith("!error:")]
+    assert len(errors) == 1 and not any(t in out0 for t in TRACES), out0[-3000:]
+    assert re.match(
+        rf"!error: process 0: process 1 of 2 stopped \(no heartbeat for 5 s: .*\); this process stopped after step "
+        rf"\d+, during the checkpoint save of step {RUN['steps']}\. Rerun the same command on every host to resume "
+        rf"from step {resume} ",
+        errors[0],
+    ), out0[-3000:]
+    checkpoints = tmp / "runs" / "srun" / "checkpoints"
+    assert not (checkpoints / str(RUN["steps"])).exists()  # cut short: never committed
+    log = (tmp / "runs" / "srun" / "logs" / "process0.log").read_text()
+    assert "Check failure" in log or "collective failed" in log or "Fatal Python error" in log  # the raw error
+    pair = _pair(tmp, "srun", slurm=True)
+    try:
+        assert f"step {resume} " in pair[0].until("resumed from")
+        (rc0, out0), (rc1, _) = pair[0].finish(120), pair[1].finish(120)
+    finally:
+        for p in pair:
+            p.kill()
+    assert rc0 == rc1 == 0, out0[-3000:]
+    np.testing.assert_array_equal(_losses(tmp, "srun"), reference)
