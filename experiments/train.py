@@ -52,7 +52,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
-from experiments import auto, compile_only, resume, runtime, supervise
+from experiments import auto, compile_only, goodput, resume, runtime, supervise
 from experiments.metrics_log import Log, val_text
 from experiments.optim import make_optimizer
 from experiments.profiling import Profiler
@@ -154,6 +154,9 @@ def _since_process_start() -> float:
         return 0.0
 
 
+_TRAINED = False  # whether this process has called train() before (its start-up is then not this run's)
+
+
 def multi_process(config: ml_collections.ConfigDict) -> bool:
     """Whether this run joins several processes (`distributed`, JAX_COORDINATOR_ADDRESS, or a cluster's launcher)."""
     return bool(config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env())
@@ -169,7 +172,9 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     if config.jax_cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
     main = jax.process_index() == 0
-    t_start = time.perf_counter() - _since_process_start()
+    global _TRAINED
+    t_start = time.perf_counter() - (0.0 if _TRAINED else _since_process_start())  # a later in-process call: now
+    _TRAINED = True
     show_bar = main and config.progress and sys.stderr.isatty()
     say: Callable[[str], None] = (tqdm.write if show_bar else print) if main else (lambda _: None)
     compiled, chosen = None, None
@@ -224,15 +229,18 @@ def _train(
                      checkpoints=str(ckpt.directory), checkpoint=ckpt.latest_step(), phase="start-up",
                      heartbeat_timeout=config.get("heartbeat_timeout", 60))  # fmt: skip
     prof = Profiler(config, run.dir, say)  # an unwritable profile directory: the error, before anything runs
+    gp = goodput.Goodput(run.dir, t0)  # where the wall time goes (experiments/goodput.py)
     info = _header(config, run, say)
     if chosen:
         info["auto"] = chosen
     if compiled is None:
         t_compile = time.perf_counter()
-        compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
+        with gp.timed("compile"):
+            compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
         say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
     local = resume.emergency_checkpointer(config, run.dir)  # each process's own shards, every few steps
     state, start = resume.start(config, run, ckpt, local, say)  # the newest checkpoint, else a fresh model
+    gp.resumed = start > 0
     mem = bytes_per_device((state.params, state.opt_state))
     temp, hbm = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0), info.pop("hbm")
     say(
@@ -264,13 +272,15 @@ def _train(
     dog = Watchdog(config.get("watchdog", "auto"), run.dir / "logs", jax.process_index(),
                    lambda: supervise.resume_from(status))  # fmt: skip
     try:
-        with Stop() as stop, dog:
+        with Stop() as stop, dog, gp.loop():
             hang, kill = injected_hang(), injected_kill()  # the fault tests' hooks: None in a real run
             for s in range(start, config.steps):
-                prof.at(s, state)  # the trace of --config.profile.steps steps starts or stops here
+                with gp.timed("profile"):
+                    prof.at(s, state)  # the trace of --config.profile.steps steps starts or stops here
                 if s + 1 == hang:
                     hang_here()
-                batch = task.train_batch(step, s)
+                with gp.timed("data"):
+                    batch = task.train_batch(step, s)
                 state, metrics = compiled(
                     state, step.prepare(batch)
                 )  # dispatched: the host goes on while the devices work
@@ -289,21 +299,25 @@ def _train(
                     if evaluate:
                         phase("evaluation", k)
                         first = contextlib.nullcontext() if log.evaluated else dog.paused()  # its compile
-                        with first:
+                        with first, gp.timed("evaluation"):
                             rec.update(_evaluate(step, state, val, lambda k=k: dog.beat(k)))
                         log.evaluated = True
                     log.emit(rec)
                     if save:
                         phase("checkpoint save", k)
-                        ckpt.save(state, resume.meta(config, k, info["where"]))
-                        if k == kill:
-                            die()  # the fault tests: a peer dying inside a save
-                        if stopping:
-                            ckpt.wait()  # committed while a second Ctrl-C is still only a warning
+                        with gp.timed("checkpoint"):
+                            ckpt.save(state, resume.meta(config, k, info["where"]))
+                            if k == kill:
+                                die()  # the fault tests: a peer dying inside a save
+                            if stopping:
+                                ckpt.wait()  # committed while a second Ctrl-C is still only a warning
                     elif emergency:
                         phase("emergency checkpoint", k)
-                        if all_finite(state):  # a non-finite state is the next record's error
-                            local.save(state, resume.meta(config, k, info["where"]))
+                        with gp.timed("checkpoint"):
+                            ok = all_finite(state)
+                        if ok:  # a non-finite state is the next record's error
+                            with gp.timed("checkpoint"):
+                                local.save(state, resume.meta(config, k, info["where"]))
                             status["emergency"] = k
                     status["phase"] = "training"
                     dog.beat(k)
@@ -316,11 +330,13 @@ def _train(
                     line = f"{stopped}: checkpointed step {k}; rerun the same command to resume"
                     say(line) if jax.process_index() == 0 else print(line, flush=True)  # every process says it
                     break
-            prof.stop(state)  # a trace still running when the run ends
+            with gp.timed("profile"):
+                prof.stop(state)  # a trace still running when the run ends
             phase("checkpoint save", int(state.step))
-            ckpt.wait()  # the last save committed before "done" is said (a peer lost here is named as lost here)
+            with gp.timed("checkpoint"):
+                ckpt.wait()  # the last save committed before "done" is said (a peer lost here is named as lost here)
     finally:
-        log.close()
+        goodput.finish(gp, log, start, say)  # <run>/goodput.json, the line, TensorBoard; closes the log
     summary = _summary(config, run, info, log.records, state, start, stopped, mem, t0, say)
     return summary | {"first_step_s": log.first_step_s, "auto": chosen}
 
