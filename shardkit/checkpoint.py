@@ -195,6 +195,8 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False
         if check_finite and not all_finite(state):
+            with contextlib.suppress(SaveError):  # a save in flight commits first: then it is the last good one
+                self.wait()
             raise NonFiniteError(
                 f"refusing to checkpoint step {step}: the state holds NaN or Inf; "
                 f"the last good checkpoint is step {self.latest_step()} in {self.directory}"
