@@ -171,6 +171,8 @@ def resume_from(status: dict[str, Any]) -> str:
             return f"the newest emergency checkpoint every process holds (step {emergency} on this one; {also})"
     if checkpoint:
         return f"step {checkpoint} (checkpoint in {where})"
+    if "checkpoints" not in status:  # ended before it opened the run: it cannot say which steps are saved
+        return "the run's newest checkpoint (this process ended before it read the run's checkpoints)"
     return "step 0 (no checkpoint yet)"
 
 

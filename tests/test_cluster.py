@@ -30,3 +30,33 @@ def test_srun_variables_are_found_by_jax_s_slurm_detector(monkeypatch):
     assert cluster.launched_several()
     monkeypatch.delenv("SLURM_STEP_ID")  # the batch script's own shell (no srun step): not a multi-process start
     assert not cluster.launched_several()
+
+
+def test_a_survivor_names_the_phase_and_the_step_and_says_when_jax_named_no_peer():
+    """experiments/supervise.py's closing line, from the child's status and log (no processes: the multi-process
+    test kills a real peer inside a save)."""
+    from experiments import supervise
+    from shardkit.checkpoint import SaveError
+
+    status = {"process": 0, "processes": 2, "step": 12, "checkpoint": 6, "checkpoints": "/r/checkpoints",
+              "heartbeat_timeout": 5, "phase": "checkpoint save", "phase_step": 12}  # fmt: skip
+    abort = "F0000 ... Task 1 heartbeat timeout ... another task died\nFatal Python error: Aborted\n"
+    line, rc = supervise.verdict(-6, status, abort, said_error=False, forwarded=False)  # JAX's abort: SIGABRT
+    assert rc == 75 and line.startswith("error: process 0: process 1 of 2 stopped (no heartbeat for 5 s"), line
+    assert "after step 12, during the checkpoint save of step 12. Rerun" in line and "from step 6 (" in line
+    # the collective failed first and JAX never said which peer: said so, still 75
+    quiet = {**status, "collective_error": "UNKNOWN: Gloo AllGather failed: Connection closed by peer"}
+    line, rc = supervise.verdict(75, quiet, "collective failed (a peer is gone)\n", False, False)
+    assert rc == 75 and "a peer process (of 2; JAX named none) stopped" in line, line
+    # a synced stop (SIGTERM from JAX's notifier, the Ctrl-C was on another host) is no error
+    assert supervise.verdict(143, {**status, "stopped": "SIGTERM"}, "", False, False) == ("", 143)
+    # ended before it read the run: no step is invented
+    assert "the run's newest checkpoint" in supervise.resume_from({})
+    try:
+        try:
+            raise RuntimeError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:534]")
+        except RuntimeError as e:
+            raise SaveError("saving checkpoint step 10 failed") from e
+    except SaveError as e:
+        assert supervise.collective_failure(e)
+    assert not supervise.collective_failure(ValueError("steps=-1 must be >= 0"))
