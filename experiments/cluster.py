@@ -4,9 +4,9 @@
 the Cloud TPU VM and GKE TPU detectors, Kubernetes; mpi4py only when asked for) and takes the first whose
 `is_env_present()` is true. `detect()` asks the same question first, so the run can say which environment matched
 (and which process it is) before it waits on the coordinator, and the error when none matched lists what was
-looked for (`looked_for()`). The detectors live in a private module (identical in jax 0.10 and 0.12): where it
-cannot be imported, `detect()` returns None and `looked_for()` says so; `jax.distributed.initialize()` still runs
-its own detection then.
+looked for (`looked_for()`). The detectors live in a private module (the same interface in jax 0.10 and 0.12; 0.12
+adds TPU_PROCESS_ADDRESSES_PATH and sends Open MPI 5 to mpi4py): where it cannot be imported, `detect()` returns
+None and `looked_for()` says so; `jax.distributed.initialize()` still runs its own detection then.
 
 `slurm_hosts("node[001-004,007]")` expands a Slurm host list (the first host is the coordinator JAX picks).
 """
@@ -29,7 +29,7 @@ WHAT = {
 }
 #: a launcher that starts several processes sets one of these (the automatic start asks the detectors only then)
 LAUNCHER_VARIABLES = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
-                      "TPU_PROCESS_ADDRESSES", "JOB_COMPLETION_INDEX")  # fmt: skip
+                      "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_ADDRESSES_PATH", "JOB_COMPLETION_INDEX")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,11 @@ def _envs() -> list[Any] | None:
         return [e for e in clusters.ClusterEnv._cluster_types if e.__name__ in WHAT or e.__name__.endswith("Cluster")]
     except (ImportError, AttributeError):
         return None
+
+
+def available() -> bool:
+    """Whether JAX's detectors could be read (else `jax.distributed.initialize()` is left to detect alone)."""
+    return _envs() is not None
 
 
 def _ask(method: Any) -> int | None:

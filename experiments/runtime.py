@@ -106,7 +106,10 @@ def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: in
         found = None if len(kw) == 3 else cluster.detect()  # all three given: JAX asks no detector for them
     except ValueError as e:  # a Slurm node list JAX would misread
         raise sk.ShardkitError(str(e)) from e
-    if "coordinator_address" not in kw and found is None:
+    if "coordinator_address" not in kw and found is None and not cluster.available():  # a jax without them
+        print("distributed: JAX's cluster detectors could not be read in this jax; jax.distributed.initialize() "
+              "detects the cluster itself", file=sys.stderr, flush=True)  # fmt: skip
+    elif "coordinator_address" not in kw and found is None:
         raise sk.ShardkitError(
             "distributed=True but no cluster was found. JAX looked for: " + cluster.looked_for() + ". Give "
             "--coordinator_address=host:port --num_processes=N --process_id=i to every process (or the "
