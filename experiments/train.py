@@ -144,19 +144,6 @@ def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any],
     return val | {f"val_{k}": float(np.mean([aux[k] for _, aux in outs])) for k in outs[0][1]}
 
 
-def _since_process_start() -> float:
-    """Seconds since this process started (Python's start-up and imports included); 0 where /proc is missing."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-_TRAINED = False  # whether this process has called train() before (its start-up is then not this run's)
-
-
 def multi_process(config: ml_collections.ConfigDict) -> bool:
     """Whether this run joins several processes (`distributed`, JAX_COORDINATOR_ADDRESS, or a cluster's launcher)."""
     return bool(config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env())
@@ -172,9 +159,7 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     if config.jax_cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
     main = jax.process_index() == 0
-    global _TRAINED
-    t_start = time.perf_counter() - (0.0 if _TRAINED else _since_process_start())  # a later in-process call: now
-    _TRAINED = True
+    t_start = goodput.run_start()  # the process's start (imports included), or now for a later in-process call
     show_bar = main and config.progress and sys.stderr.isatty()
     say: Callable[[str], None] = (tqdm.write if show_bar else print) if main else (lambda _: None)
     compiled, chosen = None, None
