@@ -122,7 +122,7 @@ def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: in
     count = kw.get("num_processes", found.process_count if found else None)
     where = kw.get("coordinator_address") or (found.coordinator if found else None) or "the cluster's coordinator"
     if pid == 0 and ":" in where:
-        _check_port_free(where if "coordinator_address" in kw else f"0.0.0.0:{where.rpartition(':')[2]}")
+        _check_port_free(where)
     timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=initialization_timeout_s)
     params = inspect.signature(jax.distributed.initialize).parameters
     print(f"distributed: process {'?' if pid is None else pid} of {count or '?'} waiting up to "
@@ -135,15 +135,16 @@ def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: in
 
 
 def _check_port_free(address: str) -> None:
-    """Process 0 serves the coordinator on `address`: a port already taken is an error here, not in XLA."""
+    """Process 0 serves the coordinator on `address`'s port (JAX listens on every interface): a port already taken
+    is an error here, not in XLA. The host is not resolved (a pod's DNS name may not exist yet: JAX waits for it)."""
     import socket
 
-    host, _, port = address.rpartition(":")
+    _, _, port = address.rpartition(":")
     if not port.isdigit():
         raise sk.ShardkitError(f"coordinator address {address!r}: write host:port, e.g. localhost:12345")
-    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host.strip("[]") or "", int(port)))
+            s.bind(("", int(port)))
         except OSError as e:
             raise sk.ShardkitError(
                 f"coordinator address {address}: port {port} cannot be served here ({e.strerror}); another run (or "
