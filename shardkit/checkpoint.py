@@ -201,11 +201,14 @@ class Checkpointer:
                 f"refusing to checkpoint step {step}: the state holds NaN or Inf; "
                 f"the last good checkpoint is step {self.latest_step()} in {self.directory}"
             )
-        self.check()  # an earlier asynchronous save that failed is reported as itself, not as this one
+        if self._failed is not None:
+            raise self._failed
+        if self._pending is not None:  # an earlier save still writing: its outcome first, reported as its own
+            self.wait()  # (orbax's save waits for it anyway; a failure below is then this step's)
+            self._pending = None
         meta = {**dict(meta or {}), _CHECKSUMS: checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        if self._pending is None:
-            self._pending = step  # (while an earlier save is pending, a failure inside this call is that one's)
+        self._pending = step
         with self._failures():
             saved = bool(self._manager.save(step, args=args, force=True))
         self._pending = step
