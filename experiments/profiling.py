@@ -112,13 +112,17 @@ def top_ops(folder: Path, n: int = 5) -> tuple[list[tuple[str, float]], float]:
     xplane, chrome = latest_trace(folder, ".xplane.pb"), latest_trace(folder, ".trace.json.gz")
     if xplane is None and chrome is None:
         raise sk.ShardkitError(f"profile: no trace was written under {folder}")
-    try:
-        if xplane is not None and hasattr(jax.profiler, "ProfileData"):
-            events = _op_events_xplane(xplane)
-        else:
-            events = _op_events_json(chrome or xplane)
-    except Exception as e:  # protobuf, jaxlib or JSON errors of a damaged trace
-        raise sk.ShardkitError(f"profile: the trace in {folder} cannot be read: {e}") from e
+    readers = [(_op_events_xplane, xplane)] if xplane is not None and hasattr(jax.profiler, "ProfileData") else []
+    readers += [(_op_events_json, chrome)] if chrome is not None else []
+    problems = []
+    for read, path in readers:  # the xplane through ProfileData, else (another jaxlib, a damaged file) the JSON
+        try:
+            events = read(path)
+            break
+        except Exception as e:  # protobuf, jaxlib or JSON errors
+            problems.append(f"{path.name}: {e}")
+    else:
+        raise sk.ShardkitError(f"profile: the trace in {folder} cannot be read: {'; '.join(problems) or 'no reader'}")
     times: collections.Counter[str] = collections.Counter()
     for name, seconds in events:
         times[name] += seconds

@@ -48,7 +48,12 @@ def test_a_profiled_run_writes_a_trace_tensorboard_events_and_goodput_summed_acr
     assert "top ops: " in line and "% (" in line, line  # named ops with their share
     top, total = profiling.top_ops(run / "profile" / "p0")
     assert total > 0 and top and all(t > 0 for _, t in top)
-    assert profiling.latest_trace(run / "profile" / "p0", ".trace.json.gz") is not None  # Perfetto's file
+    chrome = profiling.latest_trace(run / "profile" / "p0", ".trace.json.gz")  # Perfetto's file
+    by_json = {}
+    for name, seconds in profiling._op_events_json(chrome):  # the other format, read on its own: the same ops
+        by_json[name] = by_json.get(name, 0.0) + seconds
+    assert sum(by_json.values()) == pytest.approx(total, rel=1e-6)
+    assert all(by_json[name] == pytest.approx(t, rel=1e-6) for name, t in top)
     # TensorBoard: metrics.jsonl's records, step by step
     recs, events = metrics(run), _events(run / "tb")
     for key in ("loss", "lr", "grad_norm", "step_time", "tokens_per_s", "mfu"):
