@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
+from experiments.dashboard import Board
 from shardkit.checkpoint import NonFiniteError
 
 
@@ -45,6 +46,8 @@ class Log:
                 path.with_suffix(".tmp").write_text("".join(ln + "\n" for ln in keep))
                 os.replace(path.with_suffix(".tmp"), path)
             self.file = path.open("a", buffering=1)
+        # the same records as TensorBoard events in <run>/tb (a failing writer warns once, training goes on)
+        self.board = Board(run.dir, config.get("tensorboard", True), say) if jax.process_index() == 0 else None
 
     def record(self, k: int, metrics: dict[str, jax.Array], last_good: str) -> dict[str, Any]:
         """Blocks on step k's metrics; a non-finite loss or gradient norm raises NonFiniteError."""
@@ -63,12 +66,17 @@ class Log:
         rec.update({"lr": float(self.lrs[k - 1]), self.unit: self.units, "step_time": dt})
         rate = self.units / dt
         rec.update({f"{self.unit}_per_s": rate, "mfu": rate * self.flops if self.flops else None})
+        used = memory_in_use()
+        if used is not None:  # where the backend reports it (GPU, TPU; not CPU)
+            rec["memory_bytes"] = used
         self.records.append(rec)
         return rec
 
     def emit(self, rec: dict[str, Any]) -> None:
         if self.file:
             self.file.write(json.dumps(rec) + "\n")
+        if self.board is not None:
+            self.board.record(rec)
         text = f"loss {rec['loss']:.3f}" + (f" | acc {rec['accuracy']:.1%}" if "accuracy" in rec else "")
         text += f" | {rec[f'{self.unit}_per_s']:,.0f} {self.short}/s"
         text += f" | MFU {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
@@ -81,9 +89,20 @@ class Log:
             self.say(f"step {rec['step']}: {val_text(rec)}")
 
     def close(self) -> None:
-        for f in (self.bar, self.file):
+        for f in (self.bar, self.file, self.board):
             if f is not None:
                 f.close()
+
+
+def memory_in_use() -> int | None:
+    """The most device memory in use on one of this process's devices, in bytes; None where the backend does not
+    report it (`Device.memory_stats()` is None on CPU)."""
+    try:
+        used = [s.get("bytes_in_use") for s in (d.memory_stats() for d in jax.local_devices()) if s]
+    except Exception:  # a backend without the call
+        return None
+    used = [u for u in used if u is not None]
+    return max(used) if used else None
 
 
 def val_text(rec: dict[str, Any]) -> str:

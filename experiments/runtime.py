@@ -81,14 +81,21 @@ def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
 
 
 def cluster_env() -> bool:
-    """A cluster launcher started several processes of this command: `srun` with more than one task."""
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ
+    """A cluster launcher started several processes of this command (JAX's detector for it counts more than one:
+    experiments/cluster.py), so the run joins them without `--config.distributed=True`."""
+    from experiments import cluster
+
+    return cluster.launched_several()
 
 
 def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: int = 120) -> None:
     """jax.distributed.initialize from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (the --coordinator
-    flags set them; experiments/launch_local.py too), else JAX's cluster auto-detection (TPU pods, SLURM, Open MPI).
-    A peer silent for `heartbeat_timeout_s` is declared dead, so the others fail instead of hanging."""
+    flags set them; experiments/launch_local.py too), else JAX's own cluster detection (experiments/cluster.py:
+    Slurm, Open MPI, Cloud TPU VMs, GKE TPU pods, Kubernetes), whose match is printed; when nothing matched, the
+    error lists what was looked for. A peer silent for `heartbeat_timeout_s` is declared dead, so the others fail
+    instead of hanging."""
+    from experiments import cluster
+
     env = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
            "process_id": "JAX_PROCESS_ID"}  # fmt: skip
     kw: dict[str, Any] = {k: os.environ[v] for k, v in env.items() if os.environ.get(v)}
@@ -96,20 +103,30 @@ def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: in
         kw.update({k: int(v) for k, v in kw.items() if k != "coordinator_address"})
     except ValueError as e:
         raise sk.ShardkitError(f"JAX_NUM_PROCESSES / JAX_PROCESS_ID must be integers: {e}") from e
-    auto = any(os.environ.get(v) for v in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"))
-    if "coordinator_address" not in kw and not auto:
+    try:
+        found = None if len(kw) == 3 else cluster.detect()  # all three given: JAX asks no detector for them
+    except ValueError as e:  # a Slurm node list JAX would misread
+        raise sk.ShardkitError(str(e)) from e
+    if "coordinator_address" not in kw and found is None and not cluster.available():  # a jax without them
+        print("distributed: JAX's cluster detectors could not be read in this jax; jax.distributed.initialize() "
+              "detects the cluster itself", file=sys.stderr, flush=True)  # fmt: skip
+    elif "coordinator_address" not in kw and found is None:
         raise sk.ShardkitError(
-            "distributed=True but no cluster was found: give --coordinator_address=host:port --num_processes=N "
-            "--process_id=i to every process (or the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID "
-            "variables), run under SLURM, Open MPI or on a TPU pod, or start local processes with "
-            "`python -m experiments.launch_local`"
+            "distributed=True but no cluster was found. JAX looked for: " + cluster.looked_for() + ". Give "
+            "--coordinator_address=host:port --num_processes=N --process_id=i to every process (or the "
+            "JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables), start it with one of the "
+            "launchers in launch/, or start local processes with `python -m experiments.launch_local`"
         )
-    if kw.get("process_id") == 0 and "coordinator_address" in kw:
-        _check_port_free(kw["coordinator_address"])
+    if found is not None:
+        print(f"distributed: {found.describe()}", file=sys.stderr, flush=True)
+    pid = kw.get("process_id", found.process_id if found else None)
+    count = kw.get("num_processes", found.process_count if found else None)
+    where = kw.get("coordinator_address") or (found.coordinator if found else None) or "the cluster's coordinator"
+    if pid == 0 and ":" in where:
+        _check_port_free(where)
     timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=initialization_timeout_s)
     params = inspect.signature(jax.distributed.initialize).parameters
-    where = kw.get("coordinator_address", "the cluster's coordinator")
-    print(f"distributed: process {kw.get('process_id', '?')} of {kw.get('num_processes', '?')} waiting up to "
+    print(f"distributed: process {'?' if pid is None else pid} of {count or '?'} waiting up to "
           f"{initialization_timeout_s} s for all processes at {where} (XLA ends this process with DEADLINE_EXCEEDED, "
           "'another task died', if one never starts)", file=sys.stderr, flush=True)  # fmt: skip
     try:
@@ -119,15 +136,16 @@ def init_distributed(heartbeat_timeout_s: int = 60, initialization_timeout_s: in
 
 
 def _check_port_free(address: str) -> None:
-    """Process 0 serves the coordinator on `address`: a port already taken is an error here, not in XLA."""
+    """Process 0 serves the coordinator on `address`'s port (JAX listens on every interface): a port already taken
+    is an error here, not in XLA. The host is not resolved (a pod's DNS name may not exist yet: JAX waits for it)."""
     import socket
 
-    host, _, port = address.rpartition(":")
+    _, _, port = address.rpartition(":")
     if not port.isdigit():
         raise sk.ShardkitError(f"coordinator address {address!r}: write host:port, e.g. localhost:12345")
-    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host.strip("[]") or "", int(port)))
+            s.bind(("", int(port)))
         except OSError as e:
             raise sk.ShardkitError(
                 f"coordinator address {address}: port {port} cannot be served here ({e.strerror}); another run (or "

@@ -3,7 +3,9 @@
 `Stop` turns SIGTERM and a first Ctrl-C into a request the loop honours after the current step, with a checkpoint.
 With several processes SIGTERM is left to JAX's preemption notifier and `Stop.at(k)` asks
 `multihost_utils.reached_preemption_sync_point(k)`, so every process stops (and checkpoints, collectively) at the
-same step (docs/training.md, "When a host dies").
+same step (docs/training.md, "When a host dies"). A Ctrl-C reaches one process (a terminal's, on one host): that
+process hands it to the same notifier (it raises SIGTERM on itself), so it is synced like a preemption: every
+process checkpoints the same step; the one that was interrupted says SIGINT, the others SIGTERM.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Stop:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self._asked: int | None = None  # several processes: the signal this process handed to JAX's notifier
         self._old: dict[int, Any] = {}
         self._extra = 0  # Ctrl-C presses after the first, before its checkpoint has committed
         # several processes: SIGTERM is left to JAX's preemption notifier, so that every process stops at the same
@@ -41,11 +44,15 @@ class Stop:
         """Whether the run stops after step k: a signal here, or (several processes) a preemption every process
         agrees stops at step k (`multihost_utils.reached_preemption_sync_point`, JAX's SIGTERM sync)."""
         if self.synced and self.signal is None and multihost_utils.reached_preemption_sync_point(k):
-            self.signal = signal.SIGTERM
+            self.signal = self._asked or signal.SIGTERM
         return self.signal is not None
 
     def _handle(self, sig: int, frame: Any) -> None:
-        if self.signal == signal.SIGINT and sig == signal.SIGINT:
+        if self.synced and self._asked is None:  # a Ctrl-C here only: JAX's notifier tells every process
+            self._asked = sig
+            signal.raise_signal(signal.SIGTERM)  # JAX's own SIGTERM handler (the preemption notifier) takes it
+            return
+        if signal.SIGINT in (self.signal, self._asked) and sig == signal.SIGINT:
             self._extra += 1
             if self._extra == 1:  # two quick Ctrl-C during the first save used to lose the whole run
                 print("stopping: writing the checkpoint first; Ctrl-C once more abandons it", file=sys.stderr,
@@ -73,6 +80,20 @@ def injected_hang() -> int | None:
     spec = os.environ.get("SHARDKIT_INJECT_HANG", "")
     step, _, proc = spec.partition(":")
     return int(step) if step and (not proc or int(proc) == jax.process_index()) else None
+
+
+def injected_kill() -> int | None:
+    """Testing hook: SHARDKIT_INJECT_KILL="<step>[:<process>]" SIGKILLs that process inside the checkpoint save of
+    step <step>, right after its part has been handed to orbax (the step's temporary folder made, its writes in
+    flight, nothing committed): a peer dying mid-save (tests/test_multiprocess.py). None when not set."""
+    spec = os.environ.get("SHARDKIT_INJECT_KILL", "")
+    step, _, proc = spec.partition(":")
+    return int(step) if step and (not proc or int(proc) == jax.process_index()) else None
+
+
+def die() -> None:
+    """SIGKILL to this process (the injected kill): no handler, no clean-up, as the OOM killer does it."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hang_here() -> None:

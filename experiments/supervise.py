@@ -43,6 +43,10 @@ SHOWN = re.compile(r"^(error|warning|distributed|stopping)\b|Warning: ")
 PEER_LOST = re.compile(r"another task died|detected fatal errors|stopped sending heartbeats|unhealthy|"
                        r"heartbeat timeout|Task .* is not connected|DEADLINE_EXCEEDED.*[Bb]arrier")  # fmt: skip
 TASK = re.compile(r"/task:(\d+)")
+#: a collective's own error when a peer is gone (Gloo on CPU, NCCL on GPU, ICI/DCN on TPU, the coordination service)
+COLLECTIVE = re.compile(r"Gloo|gloo|NCCL|nccl|\bICI\b|\bDCN\b|Connection reset|Connection closed|Broken pipe|"
+                        r"UNAVAILABLE|DEADLINE_EXCEEDED|coordination service|another task|heartbeat|"
+                        r"[Bb]arrier")  # fmt: skip
 
 
 def supervised() -> bool:
@@ -60,6 +64,40 @@ def report(**fields: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(status, f)
     os.replace(tmp, path)
+
+
+def collective_failure(e: BaseException) -> bool:
+    """Whether `e` (or an exception it was raised from or while handling) is a collective that failed because a peer
+    is gone: its text names the transport or the coordination service (COLLECTIVE)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if COLLECTIVE.search(f"{type(e).__name__}: {e}"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def peer_failure(e: BaseException, heartbeat_timeout: float) -> None:
+    """Child side, several processes, a collective failed (`collective_failure`): the raw error and its traceback go
+    to stderr, which the supervisor keeps in <run>/logs only; the status says a collective failed; then this process
+    waits for JAX's coordination service, which names the dead peer when it aborts the survivors (at most one
+    heartbeat timeout away). If no abort comes, it exits EXIT_PEER_LOST and the supervisor says it cannot tell which
+    peer stopped. Never returns. Without a supervisor, it writes the one line itself."""
+    import traceback
+
+    first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    sys.stderr.write("collective failed (a peer is gone); the raw error:\n" + "".join(traceback.format_exception(e)))
+    sys.stderr.flush()
+    if not supervised():
+        print(f"error: a collective with the other processes failed (a peer died, hangs or was preempted; which one "
+              f"this process cannot tell): {first[:300]}. Rerun the same command on every host to resume from the "
+              "last checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(EXIT_PEER_LOST)
+    report(collective_error=first[:300])
+    time.sleep(max(5.0, 2 * float(heartbeat_timeout) + 5))  # JAX's abort (SIGABRT) usually ends this sooner
+    sys.stdout.flush()
+    os._exit(EXIT_PEER_LOST)
 
 
 def _read(path: str | Path) -> dict[str, Any]:
@@ -133,6 +171,8 @@ def resume_from(status: dict[str, Any]) -> str:
             return f"the newest emergency checkpoint every process holds (step {emergency} on this one; {also})"
     if checkpoint:
         return f"step {checkpoint} (checkpoint in {where})"
+    if "checkpoints" not in status:  # ended before it opened the run: it cannot say which steps are saved
+        return "the run's newest checkpoint (this process ended before it read the run's checkpoints)"
     return "step 0 (no checkpoint yet)"
 
 
@@ -140,17 +180,21 @@ def verdict(rc: int, status: dict[str, Any], log_text: str, said_error: bool, fo
     """(the closing `error:` line or "", the exit code) for a child that ended with `rc` (module docstring)."""
     if rc == 0 or said_error or (forwarded and rc in (128 + signal.SIGTERM, 128 + signal.SIGINT)):
         return "", rc
+    if status.get("stopped") and rc in (128 + signal.SIGTERM, 128 + signal.SIGINT):  # a synced stop, checkpointed
+        return "", rc
     me, n = status.get("process", os.environ.get("JAX_PROCESS_ID", "?")), status.get("processes", "?")
     step = status.get("step")
     at = f"after step {step}" if step is not None else "before its first step"
+    if status.get("phase") and status["phase"] != "training":  # where it was when the peer went
+        at += f", during the {status['phase']}" + (f" of step {status['phase_step']}" * ("phase_step" in status))
     tail = f"Rerun the same command on every host to resume from {resume_from(status)}"
     if rc < 0 and -rc != signal.SIGABRT:  # killed from outside (JAX's own abort is SIGABRT)
         return (f"error: process {me} was killed by {_signal_name(-rc)} {at} (the system's OOM killer, or the "
                 f"scheduler). {tail}", 128 - rc)  # fmt: skip
     jax_lines = "\n".join(ln for ln in log_text.splitlines() if not SHOWN.search(ln))  # not shardkit's own lines
-    if PEER_LOST.search(jax_lines):
-        dead = [d for d in dead_peers(jax_lines) if str(d) != str(me)]
-        who = f"process {', '.join(map(str, dead))} of {n}" if dead else f"a peer process (of {n})"
+    if PEER_LOST.search(jax_lines) or (rc == EXIT_PEER_LOST and status.get("collective_error")):
+        dead = [d for d in dead_peers(jax_lines) if str(d) != str(me)] if PEER_LOST.search(jax_lines) else []
+        who = f"process {', '.join(map(str, dead))} of {n}" if dead else f"a peer process (of {n}; JAX named none)"
         beat = status.get("heartbeat_timeout")
         silent = f"no heartbeat for {beat} s" if beat else "no heartbeat"
         return (f"error: process {me}: {who} stopped ({silent}: it died, hangs or was preempted); this process "
@@ -169,8 +213,9 @@ def run(argv: Sequence[str], module: str = "experiments.train") -> int:
     seen: list[str] = []
     forwarded: list[int] = []
     with open(log, "w") as log_file:
+        # its own session: a terminal's Ctrl-C reaches it once, through `forward` (the Stop is synced from there)
         child = subprocess.Popen([sys.executable, "-u", "-m", module, *argv], env=env, stderr=subprocess.PIPE,
-                                 text=True, bufsize=1, preexec_fn=_die_with_parent)  # fmt: skip
+                                 text=True, bufsize=1, preexec_fn=_die_with_parent, start_new_session=True)  # fmt: skip
         pump = threading.Thread(target=_pump, args=(child.stderr, log_file, seen), daemon=True)
         pump.start()
 

@@ -54,11 +54,12 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import shardkit as sk
-from experiments import auto, compile_only, resume, runtime, supervise
+from experiments import auto, compile_only, goodput, resume, runtime, supervise
 from experiments.metrics_log import Log, val_text
 from experiments.optim import make_optimizer
+from experiments.profiling import Profiler
 from experiments.runtime import bytes_per_device, calibrate_peak_flops, cluster_env, init_distributed, resolve_preset
-from experiments.stopping import Stop, hang_here, injected_hang
+from experiments.stopping import Stop, die, hang_here, injected_hang, injected_kill
 from experiments.tasks import ImageTask, LMTask, VolumeTask, build_task, model_config  # noqa: F401  (explain uses model_config)
 from experiments.watchdog import Watchdog
 from shardkit.checkpoint import Checkpointer, NonFiniteError, SaveError, all_finite
@@ -145,16 +146,6 @@ def _evaluate(step: sk.TrainStep, state: sk.TrainState, batches: list[Any],
     return val | {f"val_{k}": float(np.mean([aux[k] for _, aux in outs])) for k in outs[0][1]}
 
 
-def _since_process_start() -> float:
-    """Seconds since this process started (Python's start-up and imports included); 0 where /proc is missing."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def multi_process(config: ml_collections.ConfigDict) -> bool:
     """Whether this run joins several processes (`distributed`, JAX_COORDINATOR_ADDRESS, or a cluster's launcher)."""
     return bool(config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS") or cluster_env())
@@ -170,7 +161,7 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     if config.jax_cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(Path(config.jax_cache_dir).expanduser()))
     main = jax.process_index() == 0
-    t_start = time.perf_counter() - _since_process_start()
+    t_start = goodput.run_start()  # the process's start (imports included), or now for a later in-process call
     show_bar = main and config.progress and sys.stderr.isatty()
     say: Callable[[str], None] = (tqdm.write if show_bar else print) if main else (lambda _: None)
     compiled, chosen = None, None
@@ -221,15 +212,22 @@ def _train(
     compiled: Any = None, chosen: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     step, task = run.step, run.task
+    supervise.report(run_dir=str(run.dir), process=jax.process_index(), processes=jax.process_count(),
+                     checkpoints=str(ckpt.directory), checkpoint=ckpt.latest_step(), phase="start-up",
+                     heartbeat_timeout=config.get("heartbeat_timeout", 60))  # fmt: skip
+    prof = Profiler(config, run.dir, say)  # an unwritable profile directory: the error, before anything runs
+    gp = goodput.Goodput(run.dir, t0)  # where the wall time goes (experiments/goodput.py)
     info = _header(config, run, say)
     if chosen:
         info["auto"] = chosen
     if compiled is None:
         t_compile = time.perf_counter()
-        compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
+        with gp.timed("compile"):
+            compiled = step.lower(step.abstract_state(), task.batch_spec(step)).compile()
         say(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
     local = resume.emergency_checkpointer(config, run.dir)  # each process's own shards, every few steps
     state, start = resume.start(config, run, ckpt, local, say)  # the newest checkpoint, else a fresh model
+    gp.resumed = start > 0
     mem = bytes_per_device((state.params, state.opt_state))
     temp, hbm = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0), info.pop("hbm")
     say(
@@ -252,15 +250,24 @@ def _train(
                   emergency_dir=str(local.directory.parent) if local else None)  # fmt: skip
     supervise.report(**status)  # the supervising parent's view (experiments/supervise.py), kept current
     supervised = supervise.supervised()
+
+    def phase(name: str, k: int) -> None:  # what the run was doing, for the line a dead peer's survivor gets
+        status.update(phase=name, phase_step=k, step=k)  # step k's metrics are in: the step reached
+        if supervised:
+            supervise.report(**status | {"checkpoint": ckpt.latest_step()})
+
     dog = Watchdog(config.get("watchdog", "auto"), run.dir / "logs", jax.process_index(),
                    lambda: supervise.resume_from(status))  # fmt: skip
     try:
-        with Stop() as stop, dog:
-            hang = injected_hang()  # the watchdog's tests: None in a real run
+        with Stop() as stop, dog, gp.loop():
+            hang, kill = injected_hang(), injected_kill()  # the fault tests' hooks: None in a real run
             for s in range(start, config.steps):
+                with gp.timed("profile"):
+                    prof.at(s, state)  # the trace of --config.profile.steps steps starts or stops here
                 if s + 1 == hang:
                     hang_here()
-                batch = task.train_batch(step, s)
+                with gp.timed("data"):
+                    batch = task.train_batch(step, s)
                 state, metrics = compiled(
                     state, step.prepare(batch)
                 )  # dispatched: the host goes on while the devices work
@@ -277,28 +284,46 @@ def _train(
                     rec, pending = log.record(*pending, last_good()), None
                     dog.beat(k)
                     if evaluate:
+                        phase("evaluation", k)
                         first = contextlib.nullcontext() if log.evaluated else dog.paused()  # its compile
-                        with first:
+                        with first, gp.timed("evaluation"):
                             rec.update(_evaluate(step, state, val, lambda k=k: dog.beat(k)))
                         log.evaluated = True
                     log.emit(rec)
                     if save:
-                        ckpt.save(state, resume.meta(config, k, info["where"]))
-                        if stopping:
-                            ckpt.wait()  # committed while a second Ctrl-C is still only a warning
-                    elif emergency and all_finite(state):  # a non-finite state is the next record's error
-                        local.save(state, resume.meta(config, k, info["where"]))
-                        status["emergency"] = k
+                        phase("checkpoint save", k)
+                        with gp.timed("checkpoint"):
+                            ckpt.save(state, resume.meta(config, k, info["where"]))
+                            if k == kill:
+                                die()  # the fault tests: a peer dying inside a save
+                            if stopping:
+                                ckpt.wait()  # committed while a second Ctrl-C is still only a warning
+                    elif emergency:
+                        phase("emergency checkpoint", k)
+                        with gp.timed("checkpoint"):
+                            ok = all_finite(state)
+                        if ok:  # a non-finite state is the next record's error
+                            with gp.timed("checkpoint"):
+                                local.save(state, resume.meta(config, k, info["where"]))
+                            status["emergency"] = k
+                    status["phase"] = "training"
                     dog.beat(k)
                     log.t_last = time.perf_counter()
-                if supervised and (save or emergency or k % config.log_every == 0):  # a file write: not every step
+                if supervised and (save or emergency or evaluate or k % config.log_every == 0):  # not every step
                     supervise.report(**status | {"step": k - (pending is not None), "checkpoint": ckpt.latest_step()})
                 if stopping:
                     stopped = signal.Signals(stop.signal).name
-                    say(f"{stopped}: checkpointed step {k}; rerun the same command to resume")
+                    supervise.report(stopped=stopped)
+                    line = f"{stopped}: checkpointed step {k}; rerun the same command to resume"
+                    say(line) if jax.process_index() == 0 else print(line, flush=True)  # every process says it
                     break
+            with gp.timed("profile"):
+                prof.stop(state)  # a trace still running when the run ends
+            phase("checkpoint save", int(state.step))
+            with gp.timed("checkpoint"):
+                ckpt.wait()  # the last save committed before "done" is said (a peer lost here is named as lost here)
     finally:
-        log.close()
+        goodput.finish(gp, log, start, say)  # <run>/goodput.json, the line, TensorBoard; closes the log
     summary = _summary(config, run, info, log.records, state, start, stopped, mem, t0, say)
     return summary | {"first_step_s": log.first_step_s, "auto": chosen}
 
@@ -349,7 +374,11 @@ def main(argv: Sequence[str]) -> None:
         sys.exit(supervise.run(sys.argv[1:]))  # this process trains as its child: a dead peer is one line
     try:
         summary = train(config)
-    except (sk.ShardkitError, NonFiniteError) as e:
+    except Exception as e:
+        if jax.process_count() > 1 and supervise.collective_failure(e):  # a peer died: named by the supervisor
+            supervise.peer_failure(e, config.get("heartbeat_timeout", 60))
+        if not isinstance(e, sk.ShardkitError | NonFiniteError):
+            raise
         print(f"error: {e}", file=sys.stderr)  # 2: the config or the input; 1: the run failed (NaN, disk full)
         sys.exit(2 if isinstance(e, sk.ShardkitError) and not isinstance(e, SaveError) else 1)
     if summary["stopped"]:

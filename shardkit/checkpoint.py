@@ -171,12 +171,17 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------------------------- query
     def steps(self) -> list[int]:
-        """Committed steps, oldest first (an interrupted save is not one)."""
-        return sorted(self._manager.all_steps())
+        """Committed steps, oldest first: an interrupted save is not one, nor a save still in flight (orbax lists
+        a step as soon as its asynchronous save starts, while it is still ``<step>.orbax-checkpoint-tmp``)."""
+        steps = sorted(self._manager.all_steps())
+        if self._pending is not None and (self._failed is not None or self._manager.is_saving_in_progress()):
+            steps = [s for s in steps if s != self._pending]
+        return steps
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        return self._manager.latest_step()
+        """The newest committed step, or None (a peer that dies mid-save never makes that step the good one)."""
+        steps = self.steps()
+        return steps[-1] if steps else None
 
     # --------------------------------------------------------------------------------------------------- save
     def save(self, state: Any, meta: dict[str, Any] | None = None, check_finite: bool = True) -> bool:
@@ -190,15 +195,20 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False
         if check_finite and not all_finite(state):
+            with contextlib.suppress(SaveError):  # a save in flight commits first: then it is the last good one
+                self.wait()
             raise NonFiniteError(
                 f"refusing to checkpoint step {step}: the state holds NaN or Inf; "
                 f"the last good checkpoint is step {self.latest_step()} in {self.directory}"
             )
-        self.check()  # an earlier asynchronous save that failed is reported as itself, not as this one
+        if self._failed is not None:
+            raise self._failed
+        if self._pending is not None:  # an earlier save still writing: its outcome first, reported as its own
+            self.wait()  # (orbax's save waits for it anyway; a failure below is then this step's)
+            self._pending = None
         meta = {**dict(meta or {}), _CHECKSUMS: checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        if self._pending is None:
-            self._pending = step  # (while an earlier save is pending, a failure inside this call is that one's)
+        self._pending = step
         with self._failures():
             saved = bool(self._manager.save(step, args=args, force=True))
         self._pending = step
@@ -224,7 +234,7 @@ class Checkpointer:
             text = str(e)
             reason = ("the disk is full (No space left on device)" if "No space left" in text or "os_error_code='28'"
                       in text else text.splitlines()[0][:300] if text else type(e).__name__)  # fmt: skip
-            good = self._manager.latest_step()
+            good = max((s for s in self._manager.all_steps() if s != self._pending), default=None)  # not this one
             self._failed = SaveError(
                 f"saving checkpoint step {self._pending} in {self.directory} failed: {reason}. Training stopped; the "
                 f"last good checkpoint is {'step ' + str(good) if good is not None else 'none'} (kept). Free space or "

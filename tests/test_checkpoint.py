@@ -71,7 +71,7 @@ def test_restore_onto_another_mesh_and_strategy(tmp_path: Path, fsdp_state: tupl
     assert restored.params["blocks"]["wo"].sharding.spec != state.params["blocks"]["wo"].sharding.spec
 
 
-def test_interrupted_save_is_ignored_then_cleaned(tmp_path: Path, fsdp_state: tuple) -> None:
+def test_interrupted_save_is_ignored_then_cleaned(tmp_path: Path, fsdp_state: tuple, monkeypatch) -> None:
     step, state = fsdp_state
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(state)
@@ -87,6 +87,14 @@ def test_interrupted_save_is_ignored_then_cleaned(tmp_path: Path, fsdp_state: tu
     with Checkpointer(tmp_path) as ckpt:
         assert ckpt.latest_step() == 0 and ckpt.steps() == [0]
         restored, _ = ckpt.restore(step.abstract_state())
+        # a save still in flight (orbax lists it from the start) is not the latest good step before it commits: a
+        # peer dying now must not make a survivor name it (tests/test_multiprocess.py kills one inside a save)
+        ckpt.save(state.replace(step=jnp.asarray(3, jnp.int32)))
+        with monkeypatch.context() as m:
+            m.setattr(ckpt._manager, "is_saving_in_progress", lambda: True)
+            assert ckpt.latest_step() == 0 and ckpt.steps() == [0]
+        ckpt.wait()
+        assert ckpt.latest_step() == 3 and ckpt.steps() == [0, 3]
     assert_trees_equal(restored.params, state.params)
     assert tmp_dirs(tmp_path) == []  # deleted by the new Checkpointer (in the background, awaited by close)
 

@@ -1,11 +1,12 @@
 """experiments/launch_local.py: 2 processes x 4 CPU devices joined by jax.distributed on 127.0.0.1 train exactly
 like 1 process x 8 devices, and a killed process stops the run with a clear error instead of a hang.
 
-And as a cluster runs it (no launcher: each process started with JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-JAX_PROCESS_ID alone, under its own supervisor, experiments/supervise.py): a peer SIGKILLed at a random step, a
-SIGTERM to every process (preemption) and a hang injected in one process each end in bounded time with one
-`error:` line (or the preemption's checkpoint), and the restarts continue to exactly the losses of the
-uninterrupted 2-process run, from the emergency checkpoint where it is newer (docs/training.md, "When a host dies").
+And as a cluster runs it (each process started with the environment alone, under its own supervisor,
+experiments/supervise.py): with only the variables srun sets, a peer SIGKILLed at a random step, a Ctrl-C to one
+process (synced like a preemption) and a peer SIGKILLed inside a checkpoint save; with JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, a hang injected in one process. Each ends in bounded time with one `error:`
+line (or the stop's checkpoint), and the restarts continue to exactly the losses of the uninterrupted 2-process
+run, from the emergency checkpoint where it is newer (docs/training.md, "When a host dies", "On a cluster").
 
 Every subprocess is bounded by a timeout (hang guards ~10x above what a loaded 2-core machine takes, or the suite's
 pytest timeout; nothing asserts a speed); the coordinator listens on 127.0.0.1 only. Losses agree to 1e-5
@@ -121,12 +122,41 @@ FAULTS = {"heartbeat_timeout": 5, "emergency_every": 2}  # a dead peer noticed w
 TRACES = ("Traceback", "Check failure", "Fatal Python error", "Thread 0x", "*** ")  # none may reach the terminal
 
 
-class Process:
-    """One `python -m experiments.train` of a 2-process run, started as a cluster starts it: environment only."""
+def srun_env(pid: int, port: int) -> dict[str, str]:
+    """What `srun --ntasks=2` sets for task `pid` on one node (and no JAX_* variable): JAX's Slurm detector takes
+    the coordinator from the node list and a port from the job id (job id % 4096 + 61440, so `port` is chosen)."""
+    env = {k: v for k, v in child_env(pid, 2, 4, port).items() if not k.startswith(("JAX_COORD", "JAX_NUM", "JAX_PRO"))}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID=str(port - 61440 + 4096 * 7), SLURM_STEP_ID="0", SLURM_STEP_NODELIST="localhost",
+               SLURM_NODELIST="localhost", SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2", SLURM_NNODES="1",
+               SLURM_STEP_NUM_NODES="1", SLURM_PROCID=str(pid), SLURM_LOCALID=str(pid), SLURM_NODEID="0")  # fmt: skip
+    return env
 
-    def __init__(self, tmp: Path, name: str, pid: int, port: int, env: dict | None = None, **over):
+
+def slurm_port() -> int:
+    """A free port in the range JAX's Slurm detector derives from a job id."""
+    import random
+    import socket
+
+    for port in random.sample(range(61440, 65536), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 61440-65535")
+
+
+class Process:
+    """One `python -m experiments.train` of a 2-process run, started as a cluster starts it: environment only (the
+    JAX_* variables, or with `slurm` only what srun sets)."""
+
+    def __init__(self, tmp: Path, name: str, pid: int, port: int, env: dict | None = None, slurm: bool = False,
+                 **over):  # fmt: skip
         flags = [f"--config.{k}={v}" for k, v in _settings(tmp, name, **FAULTS, **over).items()]
-        environ = {**child_env(pid, 2, 4, port), **(env or {})}  # the variables a cluster's launcher would set
+        launcher = srun_env(pid, port) if slurm else child_env(pid, 2, 4, port)
+        environ = {**launcher, **(env or {})}  # the variables a cluster's launcher would set
         self.proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *flags], cwd=REPO, env=environ,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         self.out: queue.Queue[str] = queue.Queue()
@@ -170,9 +200,9 @@ class Process:
             self.proc.wait()
 
 
-def _pair(tmp, name, env=None, **over):
-    port = free_port()
-    return [Process(tmp, name, i, port, env, **over) for i in range(2)]
+def _pair(tmp, name, env=None, slurm=False, **over):
+    port = slurm_port() if slurm else free_port()
+    return [Process(tmp, name, i, port, env, slurm, **over) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -184,58 +214,83 @@ def reference(tmp):
     return _losses(tmp, "two")
 
 
+def _finish(pair, timeout):
+    try:
+        return [p.finish(timeout) for p in pair]
+    finally:
+        for p in pair:
+            p.kill()
+
+
+def _one_error(out: str) -> str:
+    """The only `error:` line a process printed (none of JAX's traces reached the terminal)."""
+    errors = [ln for ln in out.splitlines() if ln.startswith("!error:")]
+    assert len(errors) == 1 and not any(t in out for t in TRACES), out[-3000:]
+    return errors[0]
+
+
 @pytest.mark.slow
-def test_a_dead_peer_or_a_preemption_ends_in_one_line_and_the_restarts_continue_bit_for_bit(tmp, reference):
+def test_under_srun_a_dead_peer_a_ctrl_c_and_a_kill_inside_a_save_end_cleanly_and_the_run_ends_bit_for_bit(
+    tmp, reference
+):
+    """Started with only the variables srun sets (JAX's Slurm detector finds the coordinator, and says so):
+    1. process 1's trainer SIGKILLed after a random step: process 0 ends with one line naming it (exit 75);
+    2. the restart resumes from the emergency step that line named; a Ctrl-C to process 1 alone stops both at the
+       same checkpointed step (JAX's preemption sync);
+    3. the restart resumes there; process 1, SIGKILLed inside the final checkpoint save (after its part went to
+       orbax, before the commit: SHARDKIT_INJECT_KILL), leaves process 0 with one line naming it, the save it was
+       in and the step to resume from; the half-written step is not on disk as a step;
+    4. the last restart resumes from that step, and every step's loss is the uninterrupted run's, bit for bit."""
     seed = int.from_bytes(os.urandom(2), "little")
     at = 3 + seed % 4  # the step after which process 1 is SIGKILLed: 3..6 of 12, said in any failure
-    pair = _pair(tmp, "faults")
-    try:
-        pair[0].until(rf"^step +{at}/")
-        os.kill(pair[1].trainer_pid(), signal.SIGKILL)  # the trainer itself, as the OOM killer would
-        # JAX's coordination service notices within heartbeat_timeout (5 s); 60 s only guards a hang
-        (rc0, out0), (rc1, out1) = pair[0].finish(60), pair[1].finish(60)
-    finally:
-        for p in pair:
-            p.kill()
+    pair = _pair(tmp, "faults", slurm=True)
+    found = pair[0].until(r"distributed: SlurmCluster matched")
+    assert "process 0 of 2, coordinator localhost:" in found, found
+    pair[0].until(rf"^step +{at}/")
+    os.kill(pair[1].trainer_pid(), signal.SIGKILL)  # the trainer itself, as the OOM killer would
+    # JAX's coordination service notices within heartbeat_timeout (5 s); 60 s only guards a hang
+    (rc0, out0), (rc1, out1) = _finish(pair, 60)
     context = f"(killed after step {at}, seed {seed})\n{out0[-3000:]}"
     assert rc0 == 75 and rc1 == 137, (rc0, rc1, context)
-    last0 = [ln for ln in out0.splitlines() if ln.startswith("!")][-1]
+    line = _one_error(out0)
     assert re.match(
         r"!error: process 0: process 1 of 2 stopped \(no heartbeat for 5 s: it died, hangs or was "
-        r"preempted\); this process stopped after step \d+\. Rerun the same command on every host to resume "
-        r"from step \d+ \(the emergency checkpoint every process holds",
-        last0,
+        r"preempted\); this process stopped after step \d+(, during the [a-z ]+ of step \d+)?\. Rerun the same "
+        r"command on every host to resume from step \d+ \(the emergency checkpoint every process holds",
+        line,
     ), context
-    resume = int(re.search(r"resume from step (\d+)", last0).group(1))  # the run directory is shared here
+    resume = int(re.search(r"resume from step (\d+)", line).group(1))  # the run directory is shared here
     assert resume >= 2 and resume % 2 == 0, context
-    assert "!error: process 1 was killed by SIGKILL" in out1, out1[-2000:]
-    for out in (out0, out1):  # JAX's abort, C++ check failure and Python stack dump went to the run's logs only
-        assert not any(t in out for t in TRACES), out[-3000:]
-        assert sum(ln.startswith("!error:") for ln in out.splitlines()) == 1
+    assert _one_error(out1).startswith("!error: process 1 was killed by SIGKILL"), out1[-2000:]
     log = (tmp / "runs" / "faults" / "logs" / "process0.log").read_text()
     assert "Fatal Python error" in log or "Check failure" in log or "Traceback" in log  # kept there
-    # the restart (same command) resumes from the emergency checkpoint; SIGTERM to both (preemption) mid-way
-    pair = _pair(tmp, "faults")
-    try:
-        assert f"resumed from the emergency checkpoint of step {resume} " in pair[0].until("resumed from")
-        stop_at = pair[0].until(r"^step +\d+/")  # the first step after the restart
-        for p in pair:
-            p.proc.send_signal(signal.SIGTERM)
-        (rc0, out0), (rc1, out1) = pair[0].finish(60), pair[1].finish(60)
-    finally:
-        for p in pair:
-            p.kill()
-    assert rc0 == rc1 == 128 + signal.SIGTERM, (rc0, rc1, out0[-3000:], out1[-2000:])
-    saved = int(re.search(r"SIGTERM: checkpointed step (\d+)", out0).group(1))  # every process stopped there
-    assert saved > int(re.search(r"step +(\d+)/", stop_at).group(1)) - 1 and "!error" not in out0 + out1
-    # and the last restart finishes: every step's loss is the uninterrupted run's, bit for bit
-    pair = _pair(tmp, "faults")
-    try:
-        assert f"resumed from step {saved}" in pair[0].until("resumed from")
-        (rc0, out0), (rc1, _) = pair[0].finish(120), pair[1].finish(120)
-    finally:
-        for p in pair:
-            p.kill()
+    # 2. the restart resumes from the emergency checkpoint; a Ctrl-C to process 1 only (a terminal on its host)
+    pair = _pair(tmp, "faults", slurm=True)
+    assert f"resumed from the emergency checkpoint of step {resume} " in pair[0].until("resumed from")
+    pair[0].until(r"^step +\d+/")  # a step after the restart: process 1 is in its loop too (a step is collective)
+    pair[1].proc.send_signal(signal.SIGINT)
+    (rc0, out0), (rc1, out1) = _finish(pair, 60)
+    assert (rc0, rc1) == (128 + signal.SIGTERM, 128 + signal.SIGINT), (rc0, rc1, out0[-3000:], out1[-2000:])
+    saved = int(re.search(r"SIGTERM: checkpointed step (\d+)", out0).group(1))
+    assert f"SIGINT: checkpointed step {saved}" in out1 and "!error" not in out0 + out1, out1[-2000:]
+    assert saved < RUN["steps"], "the stop landed on the last step: nothing left for the kill inside a save"
+    # 3. the restart resumes there; process 1 dies inside the final checkpoint save
+    pair = _pair(tmp, "faults", env={"SHARDKIT_INJECT_KILL": f"{RUN['steps']}:1"}, slurm=True)
+    assert f"resumed from step {saved} " in pair[0].until("resumed from")
+    (rc0, out0), (rc1, out1) = _finish(pair, 90)
+    assert rc0 == 75 and rc1 == 137, (rc0, rc1, out0[-3000:], out1[-2000:])
+    resume = 10 if saved < 10 else saved  # the newest emergency checkpoint (every 2 steps), else the stop's
+    assert re.match(
+        rf"!error: process 0: process 1 of 2 stopped \(no heartbeat for 5 s: .*\); this process stopped after step "
+        rf"\d+, during the checkpoint save of step {RUN['steps']}\. Rerun the same command on every host to resume "
+        rf"from step {resume} ",
+        _one_error(out0),
+    ), out0[-3000:]
+    assert not (tmp / "runs" / "faults" / "checkpoints" / str(RUN["steps"])).exists()  # cut short: never committed
+    # 4. the last restart resumes from the step named, and finishes on the uninterrupted run's losses
+    pair = _pair(tmp, "faults", slurm=True)
+    assert f"step {resume} " in pair[0].until("resumed from")
+    (rc0, out0), (rc1, _) = _finish(pair, 120)
     assert rc0 == rc1 == 0, out0[-3000:]
     np.testing.assert_array_equal(_losses(tmp, "faults"), reference)
 

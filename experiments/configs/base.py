@@ -146,6 +146,11 @@ def get_config() -> ml_collections.ConfigDict:
     #                     `error:` line and exit 75, the rest to <run>/logs/ (experiments/supervise.py)
     c.heartbeat_timeout = 60  # multi-process: seconds without a heartbeat before JAX declares a peer dead
     c.log_every = 10  # without a terminal (logs, CI): one progress line every N steps
+    c.profile = ml_collections.ConfigDict()  # a jax.profiler trace (experiments/profiling.py); off by default
+    c.profile.start_step = 10  # the trace starts after this many steps (past the compile and the warm-up)
+    c.profile.steps = 0  # steps traced, into <run>/profile/p<K>/ (TensorBoard's profile plugin, Perfetto); 0 = off
+    c.profile.all_processes = False  # every process traces its own devices, not process 0 only
+    c.tensorboard = True  # metrics.jsonl's records (and goodput) also as TensorBoard events in <run>/tb (process 0)
     c.progress = True  # tqdm bar when stderr is a terminal
     c.jax_cache_dir = "~/.cache/shardkit/jax"  # persistent compile cache ("" = off); kept if already configured
     return c
