@@ -156,15 +156,15 @@ class TrainStep(abc.ABC):
         strict, paths = self.strategy.strict_names, self.strategy.path_rules
         self.param_names = state_logical_axes(params, strict=strict, path_rules=paths)  # each parameter's names
         self._check_every_axis_shards_something(model, params, rest)
-        self.layout = StepLayout.of(params, rest, self.bound, optimizer, mesh, self.step_name)
+        self.step_layout = StepLayout.of(params, rest, self.bound, optimizer, mesh, self.step_name)
         self.initial_model_state = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
         self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys
         abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
         self.set_param_layout(abs_params)
-        warn_idle_parameter_axes(self.strategy.name, self.layout.params, self.bound.param_rules, mesh, abs_params)
+        warn_idle_parameter_axes(self.strategy.name, self.step_layout.params, self.bound.param_rules, mesh, abs_params)
         # the tables under the names steps and explain read them by (a step with a layout of its own, SDP's,
         # replaces opt_shardings / state_shardings)
-        lay = self.layout
+        lay = self.step_layout
         self.unnamed_params, self.unnamed_splits, self.replicated = lay.unnamed, lay.unnamed_splits, lay.replicated
         self.param_shardings, self.update_shardings, self.opt_shardings = lay.params, lay.updates, lay.opt_state
         self.model_state_shardings, self.offload, self.state_shardings = lay.model_state, lay.offload, lay.state

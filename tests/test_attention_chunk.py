@@ -72,7 +72,7 @@ def test_the_kernel_option_reaches_the_kernel(monkeypatch, name, module, chunk):
     """attend() under a strategy naming `ring:zigzag:16` calls the kernel with chunk=16 (None: the default)."""
     import importlib
 
-    mod = importlib.import_module(f"shardkit.attention.{module}")
+    mod = importlib.import_module(f"shardkit.parallel.context.{module}")
     seen = {}
 
     def spy(q, k, v, **kw):

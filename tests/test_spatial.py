@@ -86,7 +86,9 @@ def test_halo_kernels_equal_one_device(dims: int) -> None:
                 out[f"conv k={k} s={s} d={d}"] = grads(ours if sharded else ref, x, w)
             for win, st, pad, red in POOLS:
                 pads = spatial.resolve_padding(pad, x.shape[1:-1], win, st, (1, 1, 1))
-                ref = lambda x, win=win, st=st, pads=pads, red=red: spatial._reduce_window(x, win, st, pads, red)
+                ref = lambda x, win=win, st=st, pads=pads, red=red: spatial.exchange._reduce_window(
+                    x, win, st, pads, red
+                )
                 ours = lambda x, win=win, st=st, pad=pad, red=red: sk.spatial.pool(
                     x, window=win, strides=st, mesh=mesh, spatial_axes=axes, reduce=red, padding=pad)  # fmt: skip
                 out[f"{red} pool {win[0]}/{st[0]} {pad}"] = grads(ours if sharded else ref, x)

@@ -169,7 +169,9 @@ def global_batch(
     ds: TokenDataset, step: int, global_batch_size: int, seq_len: int, sharding: Sharding, split: str = "train",
     seed: int = 0, perm: np.ndarray | None = None, eod: int | None = None,
 ) -> Arrays:  # fmt: skip
-    """Batch `step` of `split`, a pure function of (seed, split, step) (text.global_batch, plus documents)."""
+    """Batch `step` of `split`, a pure function of (seed, split, step): text.global_batch's, plus documents."""
+    if eod is None:
+        return text.global_batch(ds, step, global_batch_size, seq_len, sharding, split, seed, perm)
     tokens = ds.split(split)
     offsets = text.batch_offsets(len(tokens), step, global_batch_size, seq_len, seed, split)
     return batch_at(tokens, offsets, seq_len, sharding, perm, eod)
