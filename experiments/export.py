@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--run", required=True, help="run directory (runs/<name>)")
     p.add_argument("--to", required=True, help="the Hugging Face folder to write (new or empty)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--model_type", default=None, choices=("llama", "mistral", "qwen2"))
+    p.add_argument("--model_type", default=None, choices=("llama", "mistral", "qwen2", "gemma"))
     p.add_argument("--dtype", default=None, help="tensor dtype on disk, e.g. bfloat16 (default: the parameters')")
     p.add_argument("--max_shard_mb", type=float, default=2048, help="largest safetensors file")
     p.add_argument("--logits", default=None, help="also write shardkit's logits of 2 random rows here (.npz)")

@@ -46,7 +46,8 @@ def _files(sizes: list[int], max_bytes: int) -> list[int]:
 def save_pretrained(model: GPT, cfg: GPTConfig, out_dir: str | Path, *, model_type: str | None = None,
                     dtype: str | None = None, max_shard_bytes: int = 2 * 2**30) -> list[Path]:  # fmt: skip
     """Writes `out_dir`/config.json and the weights; returns the files written (process 0; [] elsewhere).
-    `model_type`: llama | mistral | qwen2 (default: qwen2 when the Q/K/V projections have biases, else llama);
+    `model_type`: llama | mistral | qwen2 | gemma (default: qwen2 with Q/K/V biases, gemma with its options,
+    else llama);
     `dtype`: the tensors' dtype on disk (default: the parameters')."""
     out = Path(out_dir)
     if out.exists() and any(out.glob("*.safetensors")):
