@@ -165,7 +165,10 @@ def test_gpu_program_holds_the_strategys_collectives():
         starts, dones = _async_pairs(text, kind)
         assert starts and starts == dones, (kind, starts, dones)  # NCCL-style async pairs
         rows = sum(c.count for c in r.collectives if c.kind == kind)
-        assert rows <= starts * CFG["num_layers"], (kind, rows, starts)  # once per start (x the layer loop at most)
+        # once per op, a start/done pair being one (x the layer loop at most); jax 0.12's compiler also leaves some
+        # combined ones synchronous (a `reduce-scatter(` of a tuple inside the layer loop)
+        ops = starts + text.count(f" {kind}(")
+        assert rows <= ops * CFG["num_layers"], (kind, rows, starts, ops)
     assert r.platform == "gpu" and r.fits and r.hbm_bytes == 80 * 2**30 and r.memory["peak"] > 0
     assert hlo.matmul_flops(r.compiled) > 0
 
