@@ -271,7 +271,7 @@ def platform_family(mesh: Any = None) -> str:
     given (a concrete mesh's devices, or an abstract mesh's abstract device), else the traced step's mesh
     (`use_rules`), else `compiling_for`'s, else the abstract mesh of an enclosing `shard_map`. With no mesh at all
     (eager use, a plain `jax.jit` outside any step) the program runs on JAX's first device, whose family it is.
-    Every platform decision in shardkit asks this, never `jax.default_backend()`."""
+    Every platform decision in shardkit asks this, never the host's own backend."""
     for m in _program_meshes(mesh):
         if (platform := _platform_of(m)) is not None:
             return family(platform)

@@ -16,8 +16,8 @@ common construction below) and the methods whose layout differs from the GSPMD s
     class MyStep(sk.TrainStep):
         def step_fn(self, state, batch): ...            # (state, batch) -> (state, metrics), traced once
 
-This file is one idea at about 480 lines, the interface and the construction every step shares; the sharding
-tables it computes are step_layout.py's `StepLayout`.
+This file is one idea at about 460 lines, the interface and the construction every step shares; the sharding
+tables it computes (and the check that every mesh axis shards something) are step_layout.py's `StepLayout`.
 
 What every step promises:
 
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -65,8 +64,6 @@ from shardkit.errors import ShardkitError, sharding_mode_error, unbound_axis_nam
 from shardkit.init import (
     is_key,
     split_params,
-    state_logical_axes,
-    unnamed_parameters,
     warn_idle_parameter_axes,
 )
 from shardkit.mesh import has_explicit_axes, step_mesh
@@ -153,13 +150,12 @@ class TrainStep(abc.ABC):
         batch_axes = getattr(model, "batch_axes", None) if batch_axes is None else batch_axes
         self.batch_axes = ("batch",) if batch_axes is None else batch_axes
         self.graphdef, params, rest = split_params(model)
-        strict, paths = self.strategy.strict_names, self.strategy.path_rules
-        self.param_names = state_logical_axes(params, strict=strict, path_rules=paths)  # each parameter's names
-        self._check_every_axis_shards_something(model, params, rest)
-        self.step_layout = StepLayout.of(params, rest, self.bound, optimizer, mesh, self.step_name)
+        self.step_layout = StepLayout.of(params, rest, self.bound, optimizer, mesh, self.step_name,
+                                         batch_axes=self.batch_axes, model_name=type(model).__name__)  # fmt: skip
+        self.param_names = self.step_layout.names  # each parameter's logical names
         self.initial_model_state = nnx.to_pure_dict(rest)  # initial values (or shapes, for an abstract model)
         self.key_leaves = jax.tree.map(is_key, self.initial_model_state)  # which model-state leaves are PRNG keys
-        abs_params = jax.eval_shape(lambda: nnx.to_pure_dict(params))
+        abs_params = self.step_layout.abstract_params
         self.set_param_layout(abs_params)
         warn_idle_parameter_axes(self.strategy.name, self.step_layout.params, self.bound.param_rules, mesh, abs_params)
         # the tables under the names steps and explain read them by (a step with a layout of its own, SDP's,
@@ -173,51 +169,6 @@ class TrainStep(abc.ABC):
         self.cache: dict[Any, Any] = {}  # jitted functions, per batch structure (jit needs shardings up front)
         self._checked: dict[Any, Any] = {}  # batch signature -> its shardings, once checked
         self.setup()
-
-    def _check_every_axis_shards_something(self, model: nnx.Module, params: Any, rest: Any) -> None:
-        """Refuses a mesh axis (size > 1) that the strategy maps only to logical names this model's parameters,
-        model state and batch never use: every device along it would compute the same thing (Strategy.bind's rule,
-        per model). A ResNet under cp_ring would replicate its whole step over `seq`; under `spatial` (no `depth`)
-        GSPMD's height / width splits of nnx.Conv even trained 20% off one device."""
-        names: set[str] = set()
-
-        def collect(tree: Any) -> None:
-            for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)):
-                if isinstance(leaf, tuple):
-                    names.update(n for n in leaf if isinstance(n, str))
-                elif isinstance(leaf, str):
-                    names.add(leaf)
-
-        collect(self.param_names)
-        collect(state_logical_axes(rest, require=False) if jax.tree.leaves(rest) else {})
-        collect(self.batch_axes)
-        b = self.bound
-        tables = [b.param_rules, b.compute_rules, b.opt_rules, *b.scopes.values()]
-        used = {a for t in tables for n, axes in t.items() if n in names for a in (axes or ())}
-        for axis, size in self.mesh.shape.items():
-            if size > 1 and axis not in used:
-                mapped = sorted({n for t in tables for n, axes in t.items() if axis in (axes or ())})
-                raise ShardkitError(
-                    f"strategy {self.strategy.name!r} shards mesh axis {axis!r} (size {size}) over logical names "
-                    f"{mapped}, and {type(model).__name__}'s parameters and batch name none of them (they name "
-                    f"{sorted(names)}): every device along {axis!r} would compute the same thing. Use a strategy "
-                    f"for this model, drop {axis!r} from the mesh, or {self._naming_remedy(mapped, params)}"
-                )
-
-    def _naming_remedy(self, mapped: list[str], params: Any) -> str:
-        """How to give the model the names an idle axis wants: its parameters' dimensions by path (path rules, with an
-        example built from the model's own largest unnamed parameters), or its batch's (`batch_axes`)."""
-        wanted = [n for n in mapped if n not in ("batch", "seq", "res_seq")]
-        unnamed = sorted(unnamed_parameters(params, self.strategy.path_rules), key=lambda u: -u[2])[:2]
-        if not wanted or not unnamed:
-            return "name the batch's dimensions (make_train_step(..., batch_axes=...))"
-        rules = ", ".join(f"(r\"{re.escape(path)}$\", {(*(None,) * (len(shape) - 1), wanted[0])!r})"
-                          for path, shape, _ in unnamed)  # fmt: skip
-        return (
-            f"name its parameters' dimensions by path, without editing the model: "
-            f"sk.strategy({self.strategy.name!r}).extend(path_rules=[{rules}, ...]) names the last dimension of its "
-            "largest unnamed parameters (pick the names each dimension means; docs/flax_models.md)"
-        )
 
     def setup(self) -> None:  # noqa: B027  (optional hook: most steps need none)
         """A subclass's own construction, after the common one (its options: `self.strategy.options`)."""

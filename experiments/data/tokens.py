@@ -182,6 +182,8 @@ def val_batches(
     perm: np.ndarray | None = None, eod: int | None = None,
 ) -> list[Arrays]:  # fmt: skip
     """The fixed validation windows of text.val_batches (evenly spaced, no seed), with documents."""
+    if eod is None:
+        return text.val_batches(ds, n_batches, batch_size, seq_len, sharding, perm)
     n = len(ds.val)
     text.batch_offsets(n, 0, 0, seq_len, split="val")  # validates the length
     offsets = np.linspace(0, n - seq_len - 1, n_batches * batch_size).round().astype(np.int64)

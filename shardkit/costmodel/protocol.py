@@ -90,7 +90,7 @@ def register(config_type: type) -> Callable[[_C], _C]:
     """A class decorator: the decorated CostModel is the cost model of `config_type` (and of its subclasses that
     have none of their own). Registering a type again replaces its cost model."""
     if not isinstance(config_type, type):
-        raise ShardkitError(f"costmodel.register({config_type!r}): give the model config's class, e.g. GPTConfig")
+        raise ShardkitError(f"costmodel.register({config_type!r}): give the model config's class")
 
     def add(cls: _C) -> _C:
         if not (isinstance(cls, type) and issubclass(cls, CostModel)):
