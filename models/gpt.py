@@ -20,7 +20,7 @@ from flax import nnx
 
 import shardkit as sk
 from models.axes import BATCH, EMBED, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, RES_SEQ, SEQ, VOCAB
-from models.gpt_loss import chunked_cross_entropy
+from models.gpt_loss import chunked_cross_entropy, head_settings, logits_dot_in_fp32
 from models.gpt_remat import REMAT_ALIASES
 from models.rope import checked_scaling, rope_frequencies
 
@@ -61,15 +61,17 @@ class GPTConfig:
     remat: str = "none"
     init_std: float = 0.02
     #: the output projection's dot accumulated and returned in fp32 (True), or returned in the compute dtype and
-    #: cast to fp32 for the loss, as MaxText's default (`logits_dot_in_fp32: False`): with bf16 compute the logits
-    #: buffer and the head's gradient (and its reduce-scatter) are halved, the logits rounded to bf16. No effect
-    #: with fp32 compute. docs/performance.md, "The TPU program against MaxText's"
-    logits_dot_in_fp32: bool = True
+    #: cast to fp32 for the loss, as MaxText's default (False): with bf16 compute the logits buffer and the head's
+    #: gradient (and its reduce-scatter) are halved, the logits rounded to bf16. No effect with fp32 compute.
+    #: None (auto): False on a TPU or GPU with 16-bit compute, True otherwise (models/gpt_loss.py `auto_head`).
+    #: docs/performance.md, "Lean by default on a target"
+    logits_dot_in_fp32: bool | None = None
     #: > 0: the output projection and the cross-entropy run over the sequence in chunks of this many positions, each
     #: chunk's gradients computed as soon as its loss is (a custom VJP), so the [batch, seq, vocab] logits never
-    #: exist at once and nothing is recomputed; 0 = whole. The same loss, summed in another order.
-    #: docs/performance.md, "The TPU program against MaxText's"
-    loss_chunk: int = 0
+    #: exist at once and nothing is recomputed; 0 = whole. The same loss, summed in another order. None (auto): on
+    #: a TPU or GPU with 16-bit compute, chunks once a device's fp32 logits would pass 128 MiB, else whole.
+    #: docs/performance.md, "The loss in chunks"
+    loss_chunk: int | None = None
     # mixture of experts (shardkit/parallel/moe/routing.py): every block's MLP becomes `num_experts` SwiGLU experts
     num_experts: int = 0  # 0 = dense
     top_k: int = 2  # 1 = Switch, 2 = GShard (second choices queue behind first choices)
@@ -99,8 +101,9 @@ class GPTConfig:
             raise sk.ShardkitError(f"num_experts={self.num_experts}, top_k={self.top_k}: experts >= 0, top_k 1 or 2")
         if self.num_experts and self.top_k > self.num_experts:
             raise sk.ShardkitError(f"top_k={self.top_k} needs at least that many experts, not {self.num_experts}")
-        if self.loss_chunk < 0:
-            raise sk.ShardkitError(f"loss_chunk={self.loss_chunk}: positions per chunk (> 0), or 0 for the whole loss")
+        if self.loss_chunk is not None and self.loss_chunk < 0:
+            raise sk.ShardkitError(f"loss_chunk={self.loss_chunk}: positions per chunk (> 0), 0 for the whole loss, "
+                                   "or None to choose from the target")  # fmt: skip
         if self.mlp_activation not in ACTIVATIONS or (self.num_experts and self.mlp_activation != "silu"):
             raise sk.ShardkitError(f"mlp_activation={self.mlp_activation!r}: choose one of {', '.join(ACTIVATIONS)} "
                                    "(experts: silu)")  # fmt: skip
@@ -266,9 +269,10 @@ def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array | tuple[jax.Ar
     "moe_dropped"}), the MoE terms averaged over layers."""
     extra = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
     cfg = model.cfg
-    out, aux = model(batch["inputs"], **extra, return_aux=True, return_hidden=bool(cfg.loss_chunk))
-    if cfg.loss_chunk:  # the head and the loss chunk by chunk: no [batch, seq, vocab] buffer (GPTConfig.loss_chunk)
-        ce = chunked_cross_entropy(model.logits, model.head_weight(), out, batch["targets"], cfg.loss_chunk)
+    _, chunk = head_settings(cfg, batch["targets"].shape)  # GPTConfig.loss_chunk, or the target's choice
+    out, aux = model(batch["inputs"], **extra, return_aux=True, return_hidden=bool(chunk))
+    if chunk:  # the head and the loss chunk by chunk: no [batch, seq, vocab] buffer (GPTConfig.loss_chunk)
+        ce = chunked_cross_entropy(model.logits, model.head_weight(), out, batch["targets"], chunk)
     else:
         ce = sk.cross_entropy(out, batch["targets"])
     if not cfg.num_experts:
@@ -331,7 +335,8 @@ class GPT(nnx.Module):
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         with sk.scope("head"):  # a strategy may give the output projection rules of its own (Strategy.scopes)
             w = self.head_weight() if w is None else w
-            out = _f32(dt) if cfg.logits_dot_in_fp32 else dt  # MaxText's default: the compute dtype, then fp32
+            fp32 = logits_dot_in_fp32(cfg, sk.platform_family())  # False: MaxText's default, then cast to fp32
+            out = _f32(dt) if fp32 else dt
             logits = jnp.einsum("bse,ev->bsv", x, w, preferred_element_type=out).astype(_f32(dt))
             return sk.constrain(logits, (BATCH, SEQ, VOCAB))
 

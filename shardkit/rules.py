@@ -302,6 +302,24 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return pin(x, sharding)
 
 
+def local_shape(names: Sequence[str | None], shape: Sequence[int]) -> tuple[int, ...]:
+    """The per-device shape of an activation of global `shape` whose dimensions are named `names`, as the active
+    rules (and `scope`) lay it out while a step is traced: each dimension divided by the sizes of the mesh axes its
+    name maps to (axes that are Manual here, inside a `shard_map`, are already divided out of `shape`). Outside a
+    step, `shape` itself. For the size-dependent choices a model makes at trace time (e.g. the GPT's loss chunks)."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return tuple(shape)
+    mesh = ctx.mesh
+    types = getattr(mesh, "axis_types", ()) or (None,) * len(mesh.axis_names)
+    manual = {a for a, t in zip(mesh.axis_names, types, strict=True) if t == jax.sharding.AxisType.Manual}
+    out = []
+    for n, name in zip(shape, names, strict=True):
+        axes = () if name is None else (ctx.rules.get(name) or ())
+        out.append(-(-n // math.prod(mesh.shape[a] for a in axes if a in mesh.shape and a not in manual)))
+    return tuple(out)
+
+
 def pin(tree: Any, shardings: Any) -> Any:
     """Each array of `tree` laid out as its sharding says, while traced: `with_sharding_constraint` on Auto axes
     (GSPMD chooses), `jax.sharding.reshard` where the mesh has Explicit axes (explicit mode, where a constraint

@@ -85,6 +85,41 @@ def test_a_chunked_loss_equals_the_whole_one_with_its_gradients():
         lm_loss(GPT(GPTConfig(**{**TINY.__dict__, "loss_chunk": 7}), rngs=nnx.Rngs(0)), batch)
 
 
+def test_the_target_picks_the_lean_head():
+    """logits_dot_in_fp32 and loss_chunk left None (auto): the choice follows the mesh's devices and the per-device
+    logits, never the host. Read from the lowered train step (no compile): on a v5e-8 target with bf16 compute the
+    head's dot returns bf16 and, with 256 MiB of fp32 logits a device, the loss runs in 2 chunks (1024 positions);
+    fp32 compute on the same target, or bf16 on this host's CPU mesh, keeps the fp32 whole-sequence head."""
+    import re
+
+    import optax
+
+    from models.gpt_loss import CHUNK_ABOVE_BYTES, auto_head
+
+    def head_dot(target, dtype):
+        cfg = GPTConfig(vocab_size=32768, num_layers=1, d_model=64, num_heads=2, num_kv_heads=2, head_dim=32,
+                        mlp_dim=128, max_seq_len=2048, dtype=dtype)  # fmt: skip
+        mesh = sk.make_mesh("fsdp=8", target=target) if target else sk.make_mesh("fsdp=8")
+        step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.sgd(0.1), mesh, "fsdp")
+        shape = ((8, 2048), jnp.int32)
+        text = step.lower(step.abstract_state(), step.abstract_batch({"inputs": shape, "targets": shape})).as_text()
+        return re.findall(r"dot_general.*-> tensor<([0-9x]+x32768x(?:bf16|f32))>", text)[0]
+
+    assert head_dot("v5e-8", "bfloat16") == "8x1024x32768xbf16"
+    assert head_dot("v5e-8", "float32") == head_dot(None, "bfloat16") == "8x2048x32768xf32"
+    # the rule itself: explicit fields are kept; chunks are the fewest that bring a device's logits under the bound,
+    # (else as many as can be), each a whole number of positions on every device of a split sequence
+    bf16 = GPTConfig(**{**TINY.__dict__, "dtype": "bfloat16"})
+    limit = CHUNK_ABOVE_BYTES // 4
+    assert auto_head(bf16, "gpu", 4096, limit) == (False, 0)
+    assert auto_head(bf16, "tpu", 4096, 3 * limit) == (False, 1024)  # 3 chunks do not divide 4096: 4
+    assert auto_head(bf16, "tpu", 4096, 3 * limit, seq_split=2048) == (False, 2048)  # 2 chunks are the most
+    assert auto_head(bf16, "tpu", 4096, 3 * limit, seq_split=4096) == (False, 0)
+    assert auto_head(bf16, "cpu", 4096, 3 * limit) == (True, 0)
+    fixed = GPTConfig(**{**bf16.__dict__, "logits_dot_in_fp32": True, "loss_chunk": 0})
+    assert auto_head(fixed, "tpu", 4096, 3 * limit) == (True, 0)
+
+
 def test_causal_future_tokens_do_not_change_past_logits(model):
     a = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 16)), jnp.int32)
     b = a.at[0, 10:].set((a[0, 10:] + 1) % 128)

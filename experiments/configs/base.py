@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -90,11 +91,13 @@ def get_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"
     m.remat = "none"  # none | full | dots
     m.init_std = 0.02
-    m.logits_dot_in_fp32 = True  # False: the output projection in the compute dtype, cast to fp32 for the loss
-    #                              (MaxText's default; halves the bf16 head's logits and gradient traffic)
-    m.loss_chunk = 0  # > 0: the output head and the loss over this many positions at a time, each chunk's gradients
-    #                   computed in the forward: no [batch, seq, vocab] logits buffer, no extra FLOPs (must divide
-    #                   seq_len); 0 = whole
+    # None (auto): from the mesh's devices, on a TPU or GPU with bf16 compute the lean head (docs/performance.md,
+    # "Lean by default on a target"); on the CPU, fp32 logits and the whole loss
+    m.logits_dot_in_fp32 = config_dict.placeholder(bool)  # False: the head's dot in the compute dtype, cast to fp32
+    #                              for the loss (MaxText's default; halves the bf16 head's logits and gradient traffic)
+    m.loss_chunk = config_dict.placeholder(int)  # > 0: the output head and the loss over this many positions at a
+    #                   time, each chunk's gradients computed in the forward: no [batch, seq, vocab] logits buffer,
+    #                   no extra FLOPs (must divide seq_len); 0 = whole
     m.num_experts = 0  # > 0: every block's MLP is a mixture of this many experts (strategy ep / ep_gspmd)
     m.top_k = 2  # experts per token: 1 Switch, 2 GShard
     m.capacity_factor = 1.25  # expert capacity per sequence = ceil(top_k x seq_len x factor / experts)

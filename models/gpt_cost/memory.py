@@ -87,7 +87,7 @@ def memory(
         block = activation_bytes(cfg, tokens, seq_len, 1, 1, nbytes, backend, attention="ring")
         remat = remat or alias_policy(cfg)
         acts = saved_bytes(cfg, remat, tokens, seq_len, 1, 1, nbytes, block) - block
-        acts += logit_tokens(cfg, tokens, seq_len) * c["vocab_size"] * 4 * 2
+        acts += logit_tokens(cfg, tokens, seq_len, backend) * c["vocab_size"] * 4 * 2
         acts += c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
         return state_bytes(psi, nbytes, acts)
     if strategy.startswith("pp:") and tpu:  # the stage's blocks, the embedding, head and final norm
@@ -112,7 +112,9 @@ def memory(
         acts -= 0.0 if in_hbm else block
         gathered = strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp")
         acts += 0.0 if gathered else c["num_layers"] * blocks_per_layer(cfg) / state_deg * min(nbytes, 2)
-    acts += logit_tokens(cfg, tokens, seq_len) * c["vocab_size"] / head_split * 4 * 2  # fp32 logits and softmax
+    acts += (
+        logit_tokens(cfg, tokens, seq_len, backend, head_split) * c["vocab_size"] / head_split * 4 * 2
+    )  # fp32 logits and softmax
     return state_bytes(psi, nbytes, acts, d if strategy == "zero1" else 1)  # ZeRO-1: optimizer state over data
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from models.gpt_loss import auto_head
 from shardkit.costmodel import TP3D_ORDER
 from shardkit.errors import ShardkitError
 
@@ -44,10 +45,14 @@ def num_params(cfg: Any) -> int:
     return c["num_layers"] * blocks + c["d_model"] * (2 * c["vocab_size"] + 1)
 
 
-def logit_tokens(cfg: Any, tokens: float, seq_len: int) -> float:
+def logit_tokens(cfg: Any, tokens: float, seq_len: int, platform: str = "cpu", vocab_split: int = 1) -> float:
     """How many positions' logits live at once: all of a device's `tokens`, or one chunk of each sequence under
-    `GPTConfig.loss_chunk` (the chunked loss keeps each chunk's gradients, not its logits)."""
-    chunk = getattr(cfg, "loss_chunk", 0) or 0
+    `GPTConfig.loss_chunk` (the chunked loss keeps each chunk's gradients, not its logits); a `loss_chunk` of None
+    is chosen as the model chooses it on `platform` (models/gpt_loss.py `auto_head`), for a device's logits
+    `tokens` x vocabulary / `vocab_split`."""
+    chunk = getattr(cfg, "loss_chunk", 0)
+    if chunk is None:
+        chunk = auto_head(cfg, platform, seq_len, tokens * int(cfg.vocab_size) / vocab_split)[1]
     return tokens * min(1.0, chunk / seq_len) if chunk else tokens
 
 
