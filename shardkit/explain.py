@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, targets
+from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, roofline, targets
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
 from shardkit.rules import MESH_AXES, platform_family
 from shardkit.traits import Traits
@@ -123,6 +123,8 @@ class Report:
     hbm_bytes: float | None = None
     hbm_margin: float = 0.0
     hbm_source: str = ""
+    #: the predicted step time and MFU (shardkit/roofline.py): a PREDICTION, None without the chip's figures
+    roofline: roofline.Roofline | None = None
     #: the compiled executable (for `jax.experimental.serialize_executable`); not part of to_dict()
     compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -217,6 +219,7 @@ class Report:
             "   peak = arguments + outputs - aliased + temporaries)",
         ]
         lines += [self.fits_text()]
+        lines += ["", self.roofline.text()] if self.roofline else []
         lines += [f"note: {n}" for n in self.notes]
         if self.remat:
             lines += ["", format_remat_table(self.remat)]
@@ -232,6 +235,7 @@ class Report:
             unnamed_params=[dict(path=p, shape=list(shape), bytes=b) for p, shape, b in self.unnamed_params],
             remat=[dataclasses.asdict(r) for r in self.remat] if self.remat else None,
             hbm_bytes=self.hbm_bytes, hbm_margin=self.hbm_margin, hbm_source=self.hbm_source, fits=self.fits,
+            roofline=self.roofline.to_dict() if self.roofline else None,
         )  # fmt: skip
 
     def to_json(self, **kw: Any) -> str:
@@ -384,6 +388,10 @@ def explain(
             float(getattr(chip, "hbm_margin", targets.HBM_MARGIN)),
         )
         report.hbm_source = f"{getattr(chip, 'device_kind', '')} HBM".strip()
+        if roofline.has_figures(chip):  # the predicted step time: peak FLOP/s, HBM bandwidth and links known
+            flops = roofline.model_flops_per_device(cfg, shapes, math.prod(sizes.values()))
+            report.roofline = roofline.roofline(compiled, mesh, chip, collectives=colls, model_flops=flops,
+                                                platform=platform)  # fmt: skip
     report.predicted_comms, report.predicted_memory, report.prediction_source = pred
     if remat_policies:
         report.remat = remat_figures(step, state, batch, remat_policies, compiled=compiled)
