@@ -20,8 +20,8 @@ BATCH, SEQ = 16, 32
 
 
 @functools.cache
-def _report() -> sk.explain:
-    mesh = sk.make_mesh("data=2,fsdp=8", target="v5e-8x2")  # data spans the two slices (DCN), fsdp one slice (ICI)
+def _report(target: str = "v5e-8x2") -> sk.explain:
+    mesh = sk.make_mesh("data=2,fsdp=8", target=target)  # data spans the two slices / hosts, fsdp stays inside one
     step = sk.make_train_step(sk.abstract_model(lambda r: GPT(TINY, rngs=r)), optax.adamw(1e-3), mesh, "fsdp")
     batch = step.abstract_batch({k: ((BATCH, SEQ), jnp.int32) for k in ("inputs", "targets")})
     return sk.explain(step, step.abstract_state(), batch)
@@ -57,6 +57,19 @@ def test_each_axis_rides_its_link_and_dcn_prices_the_cross_slice_collectives():
     inside = [c for c in r.collectives if c["axes"] == ["fsdp"]]
     assert inside and all(c["link"] == "ICI" for c in inside)
     assert "data=2: DCN" in r.text() and "fsdp=8: ICI" in r.text()
+
+
+def test_gpu_axes_ride_nvlink_inside_a_host_and_infiniband_across():
+    from shardkit import targets_gpu
+
+    assert not targets_gpu.cuda_missing(), "the dev extras bring XLA's CUDA compiler (pyproject.toml)"
+    r = _report("h100-8x2").roofline
+    chip = sk.target("h100-8x2").chip
+    links = {a.axis: (a.link, a.bandwidth) for a in r.links}
+    ib, nvlink = chip.links["dcn"].bandwidth, chip.links["ici"].bandwidth
+    assert links == {"data": ("InfiniBand", ib), "fsdp": ("NVLink", nvlink)}
+    assert r.hbm_bytes_cost_analysis is None and r.hbm_bytes > 0  # the CUDA compiler's cost_analysis gives nothing
+    assert all(c["link"] == "InfiniBand" for c in r.collectives if "data" in c["axes"])
 
 
 def test_the_report_labels_it_a_prediction():
