@@ -8,6 +8,7 @@
     bench_mfu         model FLOP utilisation and where a step's time goes
     bench_moe         mixture of experts: expert-parallel formulations, memory, dropping, the loss
     bench_pipeline    pipeline schedules: step time, bubble, temporaries
+    roofline_maxtext  the PREDICTED step time / MFU of a target's program beside an MFU MaxText publishes
     bench_sdp         subnetwork data parallelism against dp and fsdp
     bench_spatial     spatial parallelism for 3D CNNs: memory vs degree, explicit vs GSPMD halos, planning
     bench_strategies  every built-in strategy: state and temp memory, collective bytes, step time
