@@ -9,7 +9,7 @@ Terms, per device per step (docs/explain.md, "Predicted step time"):
   flops_s   = (matmul FLOPs, loop trip counts included: `hlo.matmul_flops`; + kernels' own cost estimates) / peak
   hbm_s     = HBM bytes / HBM bandwidth; bytes = operands + result of each top-level instruction (fusions as one),
               loop bodies x trip count, buffers the layout puts outside HBM (`S(1)`: VMEM) left out
-  compute_s = max(flops_s, hbm_s)                    (the program-level roofline: FLOPs and HBM traffic overlap)
+  compute_s = max(FLOPs time, HBM time) outside loops + the same inside loops (each region's roofline)
   comm_s    = sum over collectives of bytes sent / bandwidth of the link its axes ride + ring steps x latency
   no_overlap_s   = compute_s + comm_s                (upper bound)
   full_overlap_s = max(compute_s, comm_s)            (lower bound)
@@ -71,7 +71,8 @@ class Roofline:
     hbm_s: float
     comm_s: float
     comm_overlappable_s: float  # async collectives inside loops: may hide behind the loop's compute
-    compute_in_loops_s: float
+    compute_out_of_loops_s: float  # max(FLOPs time, HBM time) of the instructions outside any loop
+    compute_in_loops_s: float  # the same inside loops (the layer scan)
     step_s: float  # what XLA's schedule allows
     no_overlap_s: float
     full_overlap_s: float
@@ -84,7 +85,8 @@ class Roofline:
 
     @property
     def compute_s(self) -> float:
-        return max(self.flops_s, self.hbm_s)
+        """The roofline per region (outside loops, inside loops), summed: >= max(flops_s, hbm_s)."""
+        return self.compute_out_of_loops_s + self.compute_in_loops_s
 
     @property
     def mfu(self) -> float:
@@ -260,8 +262,8 @@ def roofline(
     rows, comm, overlappable = [], 0.0, 0.0
     for c in colls:
         axes = [by_axis[a] for a in c.axes if a in by_axis]
-        if not axes:  # trivial groups, or groups not along whole mesh axes ("?"): the fastest link, stated
-            axes = [max(links, key=lambda a: a.bandwidth)] if links else []
+        if not axes:  # groups not along whole mesh axes ("?"): the slowest link of the mesh, to be safe
+            axes = list(links)
         if not axes or c.bytes_sent == 0:
             continue
         slowest = min(axes, key=lambda a: a.bandwidth)
@@ -274,7 +276,7 @@ def roofline(
     fl, kf, hb = costs["flops"], costs["kernel_flops"], costs["hbm"]
     compute = [max((fl[k] + kf[k]) / peak, hb[k] / bw) for k in (0, 1)]
     flops_s, hbm_s = (sum(fl) + sum(kf)) / peak, sum(hb) / bw
-    compute_s = max(flops_s, hbm_s)
+    compute_s = compute[0] + compute[1]
     step_s = compute[0] + max(compute[1], overlappable) + (comm - overlappable)
     ca = _cost_analysis_bytes(compiled)
     sources = {
@@ -288,7 +290,8 @@ def roofline(
     return Roofline(
         device_kind=str(getattr(preset, "device_kind", "")), peak_flops=peak, hbm_bandwidth=bw,
         matmul_flops=sum(fl), kernel_flops=sum(kf), hbm_bytes=sum(hb), hbm_bytes_cost_analysis=ca,
-        flops_s=flops_s, hbm_s=hbm_s, comm_s=comm, comm_overlappable_s=overlappable, compute_in_loops_s=compute[1],
+        flops_s=flops_s, hbm_s=hbm_s, comm_s=comm, comm_overlappable_s=overlappable,
+        compute_out_of_loops_s=compute[0], compute_in_loops_s=compute[1],
         step_s=step_s, no_overlap_s=compute_s + comm, full_overlap_s=max(compute_s, comm), model_flops=model_flops,
         links=links, collectives=rows, kernels_without_flops=sorted(set(costs["no_estimate"])), sources=sources,
     )  # fmt: skip

@@ -26,6 +26,10 @@ from experiments.configs import gpt_70b
 CASES = {
     "llama2_70b_v5p_128": (gpt_70b, "v5p-128", "fsdp=64", 256, 4096, 0.65,
                            "https://github.com/AI-Hypercomputer/maxtext/blob/main/getting_started/Run_Llama2.md"),
+    # the same table's v5e-256 column; MaxText/configs/v5e/llama2_70b.sh: per_device_batch_size=2,
+    # remat_policy=qkv_proj_offloaded, max_target_length left at base.yml's 2048
+    "llama2_70b_v5e_256": (gpt_70b, "v5e-256", "fsdp=256", 512, 2048, 0.57,
+                           "https://github.com/AI-Hypercomputer/maxtext/blob/main/getting_started/Run_Llama2.md"),
 }  # fmt: skip
 
 
