@@ -12,7 +12,8 @@ def get_config() -> ml_collections.ConfigDict:
     c = base.get_config()
     c.config_name = "gpt_7b"
     c.hardware, c.mesh, c.strategy = "auto", "fsdp=-1,tensor=8", "fsdp_tp"
-    c.model.update(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=32, head_dim=128, mlp_dim=11008)
+    c.model.update(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=32, head_dim=128, mlp_dim=11008,
+                   vocab_size=32000)  # fmt: skip
     c.model.update(dtype="bfloat16", remat="full", rope_theta=500_000.0)
     c.optimizer.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1, b2=0.95)
     c.batch_size, c.seq_len, c.steps = 1024, 4096, 100_000

@@ -30,6 +30,9 @@ from models.gpt_remat import REMAT_ALIASES
 from shardkit.costmodel import DEFAULT_STRATEGIES, CostModel, Terms
 from shardkit.traits import Traits
 
+#: how far below the TPU compiler's peak the GPT's TPU memory prediction may be (docs/targets.md §6)
+TPU_MEMORY_ERROR = 0.10
+
 
 @sk.costmodel.register(GPTConfig)
 class GPTCostModel(CostModel):
@@ -101,6 +104,12 @@ class GPTCostModel(CostModel):
             devices, split = lay.size(mesh, lay.batch), lay.size(mesh, lay.mlp)
         return remat_flops(cfg, self.remat_policy(strategy), batch * seq, seq, devices, split)
 
+    def memory_error(self, backend: str) -> float:
+        """The memory prediction's known error where it has been measured against a compiler at scale: TPU, the
+        7B / 70B plans of docs/targets.md §6 (and §5's strategies at the bench shape), within `TPU_MEMORY_ERROR`
+        of the compiled peak; elsewhere 0 (not measured at scale: `sk.plan` marks nothing tight)."""
+        return TPU_MEMORY_ERROR if backend == "tpu" else 0.0
+
     def indivisible(self, strategy: Any, mesh: dict[str, int], global_batch: int) -> str:
         """Why this GPT's shapes do not divide `mesh` under `strategy` ("" if they do)."""
         if self.cfg.num_experts:
@@ -110,4 +119,4 @@ class GPTCostModel(CostModel):
         return divisibility(formula(strategy) or "", self.cfg, mesh, global_batch)
 
 
-__all__ = ["GPTCostModel"]
+__all__ = ["TPU_MEMORY_ERROR", "GPTCostModel"]
