@@ -79,7 +79,7 @@ class GPTCostModel(CostModel):
         fused = block in ("splash", "flash")
         embed = sk.embedding.planned(strategy, mesh, batch, backend)  # gather, or on TPU local / vocab
         comms = list(cached_comms(family, cfg, tuple(mesh.items()), batch, seq, nbytes, backend, fused,
-                                  embed == "local"))  # fmt: skip
+                                  embed == "local", self.remat_policy(strategy)))  # fmt: skip
         memory = dense_memory(family, cfg, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
                               backend=backend, fused_attention=fused)  # fmt: skip
         return comms, memory, (f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention "
