@@ -135,7 +135,7 @@ def compiled_ranking(args: argparse.Namespace, plans: list[costmodel.Plan], batc
     for p in plans:
         config = importlib.import_module(f"experiments.configs.{Path(args.model).stem}").get_config()
         config.update(strategy=p.strategy, mesh=",".join(f"{a}={n}" for a, n in p.mesh.items()), batch_size=batch,
-                      seq_len=seq, target=args.target)  # fmt: skip
+                      seq_len=seq, target=args.target, microbatches=1)  # fmt: skip  # what the planner planned
         if chosen:  # the planner's policy, as experiments.train --config.strategy=auto sets it
             config.model.remat = "none"
             config.kernels = ",".join(filter(None, [config.get("kernels", ""), f"remat={p.remat}"]))

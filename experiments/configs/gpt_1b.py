@@ -12,15 +12,15 @@ TARGET = "v4-32"
 
 def get_config() -> ml_collections.ConfigDict:
     """24 layers x 2048, 1M tokens a step. TARGET (v4-32: 16 chips of 32 GiB) with the plan `sk.plan` ranks first
-    there for one microbatch (`python -m experiments.plan --model gpt_1b --target v4-32 --batch 128`): fsdp over
-    data x fsdp=4 (data=4 there), remat dots_no_batch, 4 microbatches of 128 x 2048. On several hosts add
+    there (`python -m experiments.plan --model gpt_1b --target v4-32`): fsdp over data x fsdp=8 (data=2 there),
+    full remat, 512 x 2048. On several hosts add
     --config.distributed=True (or JAX_COORDINATOR_ADDRESS)."""
     c = base.get_config()
     c.config_name = "gpt_1b"
-    c.hardware, c.mesh, c.strategy = "auto", "data=-1,fsdp=4", "fsdp"
+    c.hardware, c.mesh, c.strategy = "auto", "data=-1,fsdp=8", "fsdp"
     c.model.update(num_layers=24, d_model=2048, num_heads=16, num_kv_heads=8, head_dim=128, mlp_dim=5632)
-    c.model.update(dtype="bfloat16", remat="dots", rope_theta=500_000.0)
+    c.model.update(dtype="bfloat16", remat="full", rope_theta=500_000.0)
     c.optimizer.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1)
-    c.batch_size, c.microbatches, c.seq_len, c.steps = 512, 4, 2048, 50_000
+    c.batch_size, c.seq_len, c.steps = 512, 2048, 50_000
     c.eval_every, c.eval_batches, c.ckpt_every, c.log_every = 1000, 8, 1000, 20
     return c

@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
     e.g. --config.mesh="data=-1,expert=8"."""
     c = gpt_350m.get_config()
     c.config_name = "gpt_moe_8x350m"
-    c.strategy, c.mesh, c.microbatches = "ep", "data=-1,expert=2", 1
+    c.strategy, c.mesh = "ep", "data=-1,expert=2"
+    c.model.remat = "dots"
     c.model.update(num_experts=8, top_k=2, capacity_factor=1.25)
     return c
