@@ -26,6 +26,7 @@ from models.gpt_cost.memory import memory as dense_memory
 from models.gpt_cost.remat import recompute_flops as remat_flops
 from models.gpt_cost.sdp import sdp_divisibility, sdp_terms
 from models.gpt_cost.shapes import divisibility
+from models.gpt_cost.tpu import low_precision
 from models.gpt_remat import REMAT_ALIASES
 from shardkit.costmodel import DEFAULT_STRATEGIES, CostModel, Terms
 from shardkit.traits import Traits
@@ -50,8 +51,11 @@ class GPTCostModel(CostModel):
         self, strategy: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
     ) -> Terms | None:
         """(collectives, memory, source) of one train step from the GPT formulas, activations included; None for
-        a strategy they do not cover."""
+        a strategy they do not cover. With a 16-bit compute dtype on a TPU or GPU the formulas take 2 bytes a value,
+        whatever `nbytes` says: `sk.explain` passes the parameters' width (fp32: 4), `sk.plan` 2; the program's
+        activations and collectives are at the compute dtype (the 7B's, docs/targets.md §6)."""
         cfg, name = self.cfg, getattr(strategy, "name", strategy)
+        nbytes = 2 if backend != "cpu" and low_precision(cfg) else nbytes
         if cfg.num_experts:  # MoE under ep*: moe.py (memory: the remat rules at the experts' width)
             t = Traits.of(strategy)
             if t.step != "gspmd" or t.kernels.get("moe") not in ("all_to_all", "einsum") or not t.axes("experts"):
