@@ -14,8 +14,9 @@ table, see `shardkit.costmodel_rules`.
 
 A plan whose predicted memory (the cost model's "total") is over `memory_fraction` of the device memory is
 rejected with the reason; one that fits by less than the cost model's known error (`CostModel.memory_error`) is
-`tight`, printed so, and ranked after the plans with margin. Each (strategy, mesh) is tried under the remat policies `plan(remat=...)` (set as the
-strategy's `remat` kernel): the fastest that fits is kept, ranked by comm time + its recompute time (`rank_key`,
+`tight`, printed so, and ranked after the plans with margin. Each (strategy, mesh) is tried under the remat
+policies `plan(remat=...)` (set as the strategy's `remat` kernel): the fastest that fits (with margin, where one
+does) is kept, ranked by comm time + its recompute time (`rank_key`,
 `RANKING`; the cost model's `recompute_flops(strategy, mesh, batch_shapes)` gives the FLOPs per device), so a
 plan that fits only with remat is ranked with its cost instead of dropped (Korthikanti et al. 2205.05198 §5).
 """
