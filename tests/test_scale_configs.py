@@ -1,14 +1,16 @@
-"""The large configs fit what they are named for (issue 52, item 4).
+"""The large configs fit what they are named for, and the planner says when a plan may not (issue 52, items 3-4).
 
 Each large GPT config names its target (`TARGET`, also in its docstring) and carries the plan `sk.plan` picks for
-it there (mesh, strategy, remat, microbatches). Two checks:
+it there (mesh, strategy, remat). The checks:
 
 - every one (cost model only, no compile): the config's own plan is predicted to fit its target's usable memory
   (the planner's `memory_fraction` of HBM) with the cost model's known error to spare (not "tight");
 - one by the compiler's verdict: gpt_350m compiled by XLA's TPU compiler for its v5e-8 (the cheapest of them to
-  compile: 15-40 s on this 2-core host, shared), `fits` read from the compiled program's peak against the chip's HBM
-  less the target's margin. The 7B on a v5p-128 and the 70B on a v5p-256 take minutes each to compile here, too
-  long for the suite: their compiled figures are in docs/targets.md §6 (`experiments.train ... --config.compile_only`).
+  compile: the file takes about 20 s on this 2-core host), `fits` read from the compiled program's peak against
+  the chip's HBM less the target's margin. The 7B on a v5p-128 and the 70B on a v5p-256 take 40-55 s each to
+  compile here, too long for the suite: their compiled figures are in docs/targets.md §6 (`experiments.train ...
+  --config.compile_only`: both fit);
+- the planner's "tight" plans (cost model only).
 """
 
 import dataclasses
