@@ -71,6 +71,9 @@ def memory(
     + their bf16 copy, `lo` x the device's block matrices, made once before the layer loops (the [L, ...] bf16
     stacks in the loops' tuples: dp 32 MiB, tp3d 7.5 MiB, cp 32 MiB). Strategy "cp" (TPU only): the ring kernel's
     blocks (`activation_bytes(attention="ring")`) over data x seq, the parameters replicated.
+    With a 16-bit compute dtype (the 7B / 70B programs, docs/targets.md §6) fsdp's shards get the same bf16 copy,
+    and under a remat policy the backward's working set and a second fp32 block-gradient stack are added
+    (tpu.py `remat_extra`).
     Not itemised (the misses, experiments/bench/results/bench_targets.json): the backward's working set where the
     TPU program keeps it in HBM (tp3d: one block's worth; dp: about 100 MiB), the ring kernel's mask tiles and
     its backward's buffers (cp).
