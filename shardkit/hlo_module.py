@@ -111,6 +111,26 @@ def _const(mod: _Module, name: str) -> int | None:
     return int(value) if re.fullmatch(r"-?\d+", value) else None
 
 
+def _unfused(mod: _Module, ins: _Instr | None) -> _Instr | None:
+    """`ins` itself, or, where it is a fusion wrapping one instruction of its parameters (XLA:CPU in jax 0.12 wraps a
+    loop's `i < N` and `i + 1` as `wrapped_compare` / `wrapped_add` fusions), that instruction on the fusion's
+    operands."""
+    if ins is None or ins.opcode != "fusion" or not (callee := re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)):
+        return ins
+    root, params = mod.roots.get(callee.group(1)), {}
+    for p in mod.comps.get(callee.group(1), []):
+        if (
+            p.opcode == "parameter"
+            and p.operands
+            and p.operands[0].isdigit()
+            and int(p.operands[0]) < len(ins.operands)
+        ):
+            params[p.name] = ins.operands[int(p.operands[0])]
+    if root is None or not root.operands or any(o not in params for o in root.operands):
+        return ins
+    return root._replace(name=ins.name, operands=tuple(params[o] for o in root.operands))
+
+
 def _tuple_index(mod: _Module, name: str) -> int | None:
     """k when `name` is `get-tuple-element(parameter), index=k`: a value a loop carries."""
     ins = _through(mod, name)
@@ -126,7 +146,7 @@ def _trip_count(ins: _Instr, mod: _Module) -> int:
     if m := re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs):
         return int(m.group(1))
     cond, body = (re.search(rf"{k}=%?([\w.\-]+)", ins.attrs) for k in ("condition", "body"))
-    cmp, lo, step = mod.roots.get(cond.group(1) if cond else ""), 0, 1
+    cmp, lo, step = _unfused(mod, mod.roots.get(cond.group(1) if cond else "")), 0, 1
     if cmp is None or cmp.opcode != "compare" or len(cmp.operands) != 2:
         return 1
     (a, b), d = cmp.operands, re.search(r"direction=(\w+)", cmp.attrs).group(1)
@@ -136,7 +156,7 @@ def _trip_count(ins: _Instr, mod: _Module) -> int:
     init = mod.by_name.get(ins.operands[0])
     if None in (n, k, root, init) or root.opcode != "tuple" or k >= len(root.operands) or d == "EQ":
         return 1
-    nxt = _through(mod, root.operands[k])
+    nxt = _unfused(mod, _through(mod, root.operands[k]))
     if nxt is not None and nxt.opcode in ("add", "subtract") and _tuple_index(mod, nxt.operands[0]) == k:
         step = step if (c := _const(mod, nxt.operands[1])) is None else (c if nxt.opcode == "add" else -c)
     if init.opcode == "tuple" and k < len(init.operands) and (c := _const(mod, init.operands[k])) is not None:
