@@ -4,11 +4,12 @@
     python -m experiments.plan --model gpt_7b --devices 64 --hardware frontier --variant axonn --batch 64
     python -m experiments.plan --model gpt_7b --target v5p-128 --batch 256 --compile 3   # + the TPU compiler's word
 
---model names a GPT config in experiments/configs, or a path to one (its model shape, batch size and sequence length
-are used; --batch / --seq override them). Prints the ranked table of `sk.plan` (the remat policy each plan needs and
-its recompute cost, predicted communication and step time, GiB sent per device, memory per device) and the plans
-rejected for memory; --plot draws the top plans. --remat lists the policies tried (default none, dots,
-dots_no_batch, full: the config's own remat alias is then ignored); --remat=config keeps the config's.
+--model names a GPT config in experiments/configs, or a path to one (its model shape, vocabulary, batch size and
+sequence length are used, as experiments.train builds them; --batch / --seq override them). Prints the ranked table
+of `sk.plan` (the remat policy each plan needs and its recompute cost, predicted communication and step time, GiB
+sent per device, memory per device and what it leaves spare, "tight" where that is within the cost model's known
+error) and the plans rejected for memory; --plot draws the top plans. --remat lists the policies tried (default
+none, dots, dots_no_batch, full: the config's own remat alias is then ignored); --remat=config keeps the config's.
 
 --target names hardware that need not be present (a TPU slice: shardkit/targets.py): the devices and the chip's
 figures are the target's, and the top `--compile` plans that fit (3 by default with a target) are compiled by XLA's
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import shardkit as sk
+from experiments.data import text
 from models.gpt import GPTConfig
 from shardkit import costmodel
 from shardkit.errors import ShardkitError
@@ -47,7 +49,9 @@ def model_from_config(name: str) -> tuple[GPTConfig, int, int]:
         raise ShardkitError(f"--model {name!r} has task {c.task!r}; the planner ranks GPT configs: {', '.join(gpts)}")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model = {k: v for k, v in c.model.to_dict().items() if k in fields and v}
-    model["vocab_size"] = model.get("vocab_size") or 32768
+    # vocab_size 0: the data's, as experiments.train builds the model (bytes: text.PADDED_VOCAB), so that what is
+    # planned is what --compile and the run compile
+    model["vocab_size"] = model.get("vocab_size") or text.PADDED_VOCAB
     return GPTConfig(**model), int(c.batch_size), int(c.seq_len)
 
 
@@ -131,7 +135,7 @@ def compiled_ranking(args: argparse.Namespace, plans: list[costmodel.Plan], batc
     for p in plans:
         config = importlib.import_module(f"experiments.configs.{Path(args.model).stem}").get_config()
         config.update(strategy=p.strategy, mesh=",".join(f"{a}={n}" for a, n in p.mesh.items()), batch_size=batch,
-                      seq_len=seq, target=args.target)  # fmt: skip
+                      seq_len=seq, target=args.target, microbatches=1)  # fmt: skip  # what the planner planned
         if chosen:  # the planner's policy, as experiments.train --config.strategy=auto sets it
             config.model.remat = "none"
             config.kernels = ",".join(filter(None, [config.get("kernels", ""), f"remat={p.remat}"]))
@@ -149,17 +153,20 @@ def compiled_ranking(args: argparse.Namespace, plans: list[costmodel.Plan], batc
     print(
         f"\nthe top {len(rows)} plans compiled by {where}, ranked by what it says (fits first, then collective bytes):"
     )
-    head = (f"{'strategy':<12} {'mesh':<28} {'remat':<13} {'pred GiB':>9} {'peak GiB':>9} {'pred comm GiB':>13} "
-            f"{'comm GiB':>9} {'fits':>5} {'compile s':>9}")  # fmt: skip
+    head = (f"{'strategy':<12} {'mesh':<28} {'remat':<13} {'pred GiB':>9} {'peak GiB':>9} {'peak/pred':>9} "
+            f"{'pred comm GiB':>13} {'comm GiB':>9} {'comm/pred':>9} {'fits':>5} {'compile s':>9}")  # fmt: skip
     print(head + "\n" + "-" * len(head))
     for p, r, t, why in sorted(rows, key=key):
         grid = ",".join(f"{a}={n}" for a, n in p.mesh.items() if n > 1)
         peak = f"{r.memory['peak'] / 2**30:>9.2f}" if r else f"{'-':>9}"
         comm = f"{sum(c.bytes_sent for c in r.collectives) / 2**30:>9.2f}" if r else f"{'-':>9}"
         fits = "yes" if r and r.fits else "NO"
+        sent = sum(c.bytes_sent for c in r.collectives) if r else 0.0
+        mem_ratio = f"{r.memory['peak'] / p.memory['total']:>9.3f}" if r else f"{'-':>9}"
+        comm_ratio = f"{sent / p.comm_bytes:>9.3f}" if r and p.comm_bytes else f"{'-':>9}"
         print(
-            f"{p.strategy:<12} {grid:<28} {p.remat:<13} {p.memory['total'] / 2**30:>9.2f} {peak} "
-            f"{p.comm_bytes / 2**30:>13.2f} {comm} {fits:>5} {t:>9.1f}" + (f"  ({why})" if why else "")
+            f"{p.strategy:<12} {grid:<28} {p.remat:<13} {p.memory['total'] / 2**30:>9.2f} {peak} {mem_ratio} "
+            f"{p.comm_bytes / 2**30:>13.2f} {comm} {comm_ratio} {fits:>5} {t:>9.1f}" + (f"  ({why})" if why else "")
         )
 
 

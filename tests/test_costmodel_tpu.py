@@ -26,8 +26,9 @@ the TPU compiler keeps in HBM besides them). Misses (tp and ep measured at this 
   loop (2 x 24 MiB under fsdp), which it does not under the XLA attention; not itemised. fsdp 14% above (309.0 vs
   270.3 MiB), fsdp_tp 22% (377.2 vs 309.1). With attention_block=xla both were within 10% (stop 38).
 - cp_zigzag (asserted as what is true): temporaries 82% above under splash (489 vs 269 MiB; 94% under the XLA
-  scan, 521 MiB): the ring's per-step buffers and its backward's; not itemised. Its collectives are exact (K and V
-  travel in the model's dtype into splash; the scan's dots took them in bf16).
+  scan, 521 MiB): the layer loops' tuples are the prediction; the rest, the layer bodies' and the ring's inner
+  loops' buffers, is itemised as far as the program text places them in docs/targets.md §5. Its collectives are
+  exact (K and V travel in the model's dtype into splash; the scan's dots took them in bf16).
 """
 
 from __future__ import annotations

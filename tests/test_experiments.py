@@ -213,7 +213,8 @@ def test_every_shipped_config_validates_on_8_devices(name: str, tmp: Path) -> No
     config.data.update(cache_dir=str(tmp / "data"), max_files=300)
     run = tr.build(config)
     assert run.dir.name == f"{name}-{config.strategy}" and run.mesh.devices.size == 8
-    assert run.model_cfg.max_seq_len == config.seq_len and run.model_cfg.vocab_size == 384
+    assert run.model_cfg.max_seq_len == config.seq_len  # the vocabulary the config names, else the bytes' padded one
+    assert run.model_cfg.vocab_size == (config.model.vocab_size or 384)
 
 
 def test_cli_prints_the_error_and_exits_2(tmp: Path) -> None:

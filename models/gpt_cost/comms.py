@@ -31,7 +31,7 @@ from typing import Any
 
 from models.gpt_cost.classify import MODELLED, STATE_DEGREE
 from models.gpt_cost.shapes import blocks_per_layer, fc_layers, num_params, shape
-from models.gpt_cost.tpu import cp_comms, pp_comms, zero3_comms
+from models.gpt_cost.tpu import cp_comms, param_bytes, pp_comms, tp3d_recompute_comms, zero3_comms
 from shardkit.costmodel import TP3D_ORDER, Comm, CommBuilder, tp3d_layer_comms
 from shardkit.errors import ShardkitError
 
@@ -39,6 +39,7 @@ from shardkit.errors import ShardkitError
 def strategy_comms(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
     backend: str = "gpu", gspmd: bool = False, fused_attention: bool = False, local_embedding: bool = False,
+    remat: str = "none",
 ) -> list[Comm]:  # fmt: skip
     """Per-device bytes per step of each collective of one GPT train step (no gradient accumulation).
 
@@ -51,6 +52,8 @@ def strategy_comms(
     cross-entropy and the loss / grad-norm scalars (`gpt_extra_comms`); rows may then name
     several axes ("data,depth": one collective over their product). `fused_attention`: the ring's blocks are a
     fused kernel's (splash), which K and V reach in their own dtype (the XLA scan's dots take them in bf16 on TPU).
+    `remat`: the remat policy; on TPU, tp3d's recomputed forward issues its collectives again (tpu.py
+    `tp3d_recompute_comms`); elsewhere the collectives do not depend on it.
     """
     c = shape(cfg)
     e, L = c["d_model"], c["num_layers"]
@@ -62,7 +65,9 @@ def strategy_comms(
             for _ in range(L):
                 tp3d_layer_comms(b, h1, h2, global_batch * seq_len, tr, nbytes, name, gspmd)
         if gspmd:  # the whole GSPMD train step: embedding, norms, head, cross-entropy, scalars
-            gpt_extra_comms(b, cfg, global_batch * seq_len, nbytes, gspmd)
+            gpt_extra_comms(b, cfg, global_batch * seq_len, nbytes, gspmd, backend)
+        if backend == "tpu":
+            tp3d_recompute_comms(b, cfg, global_batch * seq_len, nbytes, remat)
         return b.comms()
     b = CommBuilder(mesh, ("tensor", "fsdp", "data"), backend)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
@@ -105,15 +110,16 @@ def strategy_comms(
 @functools.lru_cache(maxsize=4096)
 def cached_comms(
     family: str, cfg: Any, mesh: tuple[tuple[str, int], ...], global_batch: int, seq_len: int, nbytes: int,
-    backend: str, fused_attention: bool = False, local_embedding: bool = False,
+    backend: str, fused_attention: bool = False, local_embedding: bool = False, remat: str = "none",
 ) -> tuple[Comm, ...]:  # fmt: skip
-    """`strategy_comms` memoised (the GSPMD step's for tp3d): `sk.plan` asks once per remat policy it tries, and
-    the collectives do not depend on the policy (a recomputed forward's collectives are not modelled)."""
+    """`strategy_comms` memoised (the GSPMD step's for tp3d): `sk.plan` asks once per (plan, remat policy). The
+    policy matters only where a recomputed forward issues collectives again (tp3d on TPU)."""
+    remat = remat if family == "tp3d" and backend == "tpu" else "none"  # (one cache entry where it does not)
     return tuple(strategy_comms(family, cfg, dict(mesh), global_batch, seq_len, nbytes, backend, family == "tp3d",
-                                fused_attention, local_embedding))  # fmt: skip
+                                fused_attention, local_embedding, remat))  # fmt: skip
 
 
-def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True) -> None:
+def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True, backend: str = "cpu") -> None:
     """Adds to `b` (a shardkit.costmodel.CommBuilder) the collectives of one GPT step besides the block projections.
 
     Each `b.add(kind, axes, n, count)`: n = full buffer bytes summed over the `count` collectives."""
@@ -137,7 +143,10 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
     # over the batch axes.
     b.add("all-gather", "depth", vl * el * nb, 1, "embedding table AG over depth")
     b.add("all-reduce", "row", r * el * nb, 1, "embedding lookup: AR_row of the masked gathers")
-    b.add("all-reduce", bd, vl * el * nb, 1, "embedding grad (scatter-add) AR over (data, depth)")
+    # TPU: the table is fp32 (the parameters') and its gradient too, whatever the compute dtype (gpt_70b, tp3d
+    # data=4,depth=16,row=2 on a v5p-256: 1.45 GiB over (data, depth), twice the bf16 figure + the norm scales')
+    eb = param_bytes(cfg) if backend == "tpu" else nb
+    b.add("all-reduce", bd, vl * el * eb, 1, "embedding grad (scatter-add) AR over (data, depth)")
 
     # Output head (embed -> (col, depth), vocab -> row), logits = x w: like a tensor3d linear with one weight
     # gather (no scan, so the backward reuses it). Tied: the same weight as the embedding, gathered once.

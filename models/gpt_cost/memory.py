@@ -14,7 +14,7 @@ from typing import Any
 from models.gpt_cost.classify import MODELLED, STATE_DEGREE
 from models.gpt_cost.remat import alias_policy, saved_bytes
 from models.gpt_cost.shapes import blocks_per_layer, logit_tokens, num_params, shape
-from models.gpt_cost.tpu import block_bytes, pp_activations, working_set_in_hbm
+from models.gpt_cost.tpu import block_bytes, low_precision, pp_activations, remat_extra, working_set_in_hbm
 from shardkit.costmodel import TP3D_ORDER
 from shardkit.errors import ShardkitError
 
@@ -71,6 +71,9 @@ def memory(
     + their bf16 copy, `lo` x the device's block matrices, made once before the layer loops (the [L, ...] bf16
     stacks in the loops' tuples: dp 32 MiB, tp3d 7.5 MiB, cp 32 MiB). Strategy "cp" (TPU only): the ring kernel's
     blocks (`activation_bytes(attention="ring")`) over data x seq, the parameters replicated.
+    With a 16-bit compute dtype (the 7B / 70B programs, docs/targets.md §6) fsdp's shards get the same bf16 copy,
+    and under a remat policy the backward's working set and a second fp32 block-gradient stack are added
+    (tpu.py `remat_extra`).
     Not itemised (the misses, experiments/bench/results/bench_targets.json): the backward's working set where the
     TPU program keeps it in HBM (tp3d: one block's worth; dp: about 100 MiB), the ring kernel's mask tiles and
     its backward's buffers (cp).
@@ -111,7 +114,10 @@ def memory(
         in_hbm = not fused and working_set_in_hbm(c["num_heads"], tokens, seq_len, head_split, nbytes)
         acts -= 0.0 if in_hbm else block
         gathered = strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp")
-        acts += 0.0 if gathered else c["num_layers"] * blocks_per_layer(cfg) / state_deg * min(nbytes, 2)
+        local_blocks = c["num_layers"] * blocks_per_layer(cfg) / state_deg  # the device's block-matrix elements
+        copy = not gathered or low_precision(cfg)  # bf16 compute: fsdp's shards converted once, before the loops
+        acts += local_blocks * min(nbytes, 2) if copy else 0.0
+        acts += remat_extra(remat, block, local_blocks, cfg)  # a remat policy's backward, bf16 compute (tpu.py)
     acts += (
         logit_tokens(cfg, tokens, seq_len, backend, head_split) * c["vocab_size"] / head_split * 4 * 2
     )  # fp32 logits and softmax

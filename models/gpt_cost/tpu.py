@@ -29,7 +29,13 @@ gathered per layer, the backward's working set only where `working_set_in_hbm` (
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax.numpy as jnp
+
+from models.gpt_cost.shapes import shape
 from shardkit.costmodel import Comm, CommBuilder
+from shardkit.layers import remat_names
 
 #: TPU v5e's on-chip vector memory per core (128 MiB), the bound of `working_set_in_hbm`
 VMEM_BYTES = 128 * 2**20
@@ -146,6 +152,67 @@ def block_bytes(
     return tokens * (kept + attn)
 
 
+#: the backward loop's working set of one layer under a remat policy, in blocks (`block_bytes`): measured 2.41-2.46
+#: (gpt_7b, dots_no_batch, fsdp over v5p-128: three programs) and 2.24 (gpt_70b, full, tp3d over v5p-256)
+RECOMPUTE_BLOCKS = 2.35
+
+
+def low_precision(cfg: Any) -> bool:
+    """Whether the GPT computes in a 16-bit dtype (`GPTConfig.dtype` bfloat16 / float16: mixed precision)."""
+    return jnp.dtype(getattr(cfg, "dtype", "float32")).itemsize == 2
+
+
+def remat_extra(policy: str, block: float, local_blocks: float, cfg: Any) -> float:
+    """What the TPU program keeps beyond the residual stacks under a remat policy (not "none") with 16-bit compute,
+    read from the 7B / 70B programs for v5p (docs/targets.md §6; compiled.as_text(), the layer loops' tuples and
+    bodies; memory_analysis()'s temporaries):
+
+    - the backward loop's working set, `RECOMPUTE_BLOCKS` x one block's activations (`block`): the layer's recomputed
+      forward, its gradients and the next layer's residual slices are live at once; the body's buffers add up to
+      8.8 GiB (7B) and 10.5 GiB (70B), and the temporaries exceed the loop's tuple plus the term below by 8.2 and
+      10.1 GiB (one block: 3.39 and 4.53 GiB). The v5e bench shape's single block fits on chip; these do not.
+    - the fp32 block gradients twice (`local_blocks` elements at the parameters' width): the backward loop carries
+      the [L, ...] gradient stacks (counted as the state's gradients) and its dynamic-update-slice fusion writes a
+      whole second stack; measured: the temporaries fall by 2.85 GiB from fsdp=4 to fsdp=8 (the gradients' stack
+      shrinks by 3.02 GiB) and by 3.0 GiB from 32 layers to 16 (3.02 GiB), the rest unchanged to 0.2 GiB."""
+    if policy == "none" or not low_precision(cfg):
+        return 0.0
+    return RECOMPUTE_BLOCKS * block + local_blocks * param_bytes(cfg)
+
+
+def param_bytes(cfg: Any) -> int:
+    """Bytes of one parameter value (`GPTConfig.param_dtype`; fp32 by default, whatever the compute dtype)."""
+    return jnp.dtype(getattr(cfg, "param_dtype", "float32")).itemsize
+
+
+def tp3d_recompute_comms(b: CommBuilder, cfg: Any, tokens: int, nbytes: int, policy: str) -> None:
+    """tp3d's collectives that a remat policy's recomputed forward issues again, as XLA's TPU compiler emits them
+    (gpt_70b, full remat, tp3d data=4,depth=16,row=2 on a v5p-256: all-reduces over row 100.75 GiB against 80.5
+    without these, all-gathers over depth 126.1 against 120.0, 80 more of each):
+    - the forward's partial-sum all-reduce of each recomputed projection (y = AR_in(x w): q/k/v over col, the output
+      projection over row, the MLP's gate and up over col), not the MLP's down projection, the block's last matmul,
+      whose output the backward does not read; a `names:` policy that keeps qkv_proj / out_proj spares those;
+    - the q/k/v matrix gathered over depth a third time: the backward gathers it again rather than keep the
+      recomputed forward's (the other matrices' gathers are shared by the recompute and the backward).
+    Policies that keep every matmul's output (dots, dots_no_batch) recompute no projection: nothing added."""
+    base = policy.partition(":")[0]
+    if base not in ("full", "names", "offload"):
+        return
+    kept = set(remat_names(policy))
+    gx, gy, gz, gd = (b.mesh.get(a, 1) for a in ("col", "row", "depth", "data"))
+    rows = tokens / (gd * gz)
+    c = shape(cfg)
+    e, n, k, hd, f, L = c["d_model"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["mlp_dim"], c["num_layers"]
+    recomputed = [("qkv", "col", (n + 2 * k) * hd / gy, "qkv_proj"), ("out", "row", e / gx, "out_proj"),
+                  ("mlp_in", "col", 2 * f / gy, None)]  # fmt: skip
+    for what, axis, width, tag in recomputed:
+        if tag not in kept:
+            b.add("all-reduce", axis, L * rows * width * nbytes, L, f"{what}: y = AR_{axis}(x w) again, recomputed")
+    if "qkv_proj" not in kept:
+        block = e * (n + 2 * k) * hd / (gx * gy) * nbytes
+        b.add("all-gather", "depth", L * block, L, "qkv weight AG over depth a third time (TPU, remat)")
+
+
 def working_set_in_hbm(num_heads: int, tokens: float, seq_len: int, head_split: int, nbytes: int) -> bool:
     """Whether the TPU program keeps the backward's working set of one block in HBM (then counted, one block's
     activations, as on CPU) rather than on chip. Empirical, v5e: the temporaries exceed what the layer loops
@@ -169,5 +236,6 @@ def pp_activations(c: dict[str, int], blk: int, p: int, m: int, global_batch: in
     return acts + global_batch * seq_len * (v * 4 * 2 + 2 * e * nbytes)
 
 
-__all__ = ["VMEM_BYTES", "block_bytes", "cp_comms", "pp_activations", "pp_comms", "working_set_in_hbm",
+__all__ = ["RECOMPUTE_BLOCKS", "VMEM_BYTES", "block_bytes", "cp_comms", "low_precision", "param_bytes",
+           "pp_activations", "pp_comms", "remat_extra", "tp3d_recompute_comms", "working_set_in_hbm",
            "zero3_comms"]  # fmt: skip

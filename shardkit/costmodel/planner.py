@@ -13,8 +13,10 @@ collectives (`comm_time`, shardkit/costmodel/comms.py) and the ranking; `registe
 table, see `shardkit.costmodel_rules`.
 
 A plan whose predicted memory (the cost model's "total") is over `memory_fraction` of the device memory is
-rejected with the reason. Each (strategy, mesh) is tried under the remat policies `plan(remat=...)` (set as the
-strategy's `remat` kernel): the fastest that fits is kept, ranked by comm time + its recompute time (`rank_key`,
+rejected with the reason; one that fits by less than the cost model's known error (`CostModel.memory_error`) is
+`tight`, printed so, and ranked after the plans with margin. Each (strategy, mesh) is tried under the remat
+policies `plan(remat=...)` (set as the strategy's `remat` kernel): the fastest that fits (with margin, where one
+does) is kept, ranked by comm time + its recompute time (`rank_key`,
 `RANKING`; the cost model's `recompute_flops(strategy, mesh, batch_shapes)` gives the FLOPs per device), so a
 plan that fits only with remat is ranked with its cost instead of dropped (Korthikanti et al. 2205.05198 §5).
 """
@@ -54,6 +56,20 @@ class Plan:
     remat: str = "none"
     recompute_flops: float = 0.0
     recompute_time_s: float = 0.0
+    #: the memory per device a plan may use (`memory_fraction` x the device's), and the cost model's known error
+    #: of its memory prediction on this backend (`CostModel.memory_error`: a fraction of the prediction)
+    usable_bytes: float = 0.0
+    memory_error: float = 0.0
+
+    @property
+    def headroom_bytes(self) -> float:
+        """The usable memory left over by the prediction (negative: over)."""
+        return self.usable_bytes - self.memory["total"]
+
+    @property
+    def tight(self) -> bool:
+        """Predicted to fit, but by less than the cost model's known error: the compiler may refuse it."""
+        return self.fits and self.memory["total"] * (1 + self.memory_error) > self.usable_bytes
 
     @property
     def step_time_s(self) -> float:
@@ -118,13 +134,15 @@ def register_plan_hook(fn: Callable[..., Plan]) -> Callable[..., Plan]:
 
 
 #: How `plan` ranks, printed under `format_plans`' table.
-RANKING = ("ranked by: fits first, then predicted step time = comm ms + recompute ms, recompute ms = recompute "
-           "FLOPs / (peak x efficiency {eff:.0%}); ties: fewer recompute FLOPs")  # fmt: skip
+RANKING = ("ranked by: fits first (tight ones after the others), then predicted step time = comm ms + "
+           "recompute ms, recompute ms = recompute FLOPs / (peak x efficiency {eff:.0%}); ties: fewer recompute "
+           "FLOPs")  # fmt: skip
 
 
-def rank_key(p: Plan) -> tuple[bool, float, float]:
-    """`plan`'s sort key: (does not fit, step_time_s, recompute_flops): fitting plans first, fastest first."""
-    return (not p.fits, p.step_time_s, p.recompute_flops)
+def rank_key(p: Plan) -> tuple[bool, bool, float, float]:
+    """`plan`'s sort key: (does not fit, tight, step_time_s, recompute_flops): fitting plans first, those that fit
+    by less than the cost model's known memory error (`Plan.tight`) after the rest, fastest first."""
+    return (not p.fits, p.tight, p.step_time_s, p.recompute_flops)
 
 
 def plan(
@@ -179,6 +197,7 @@ def plan(
         raise ShardkitError(f"plan: efficiency={efficiency} must be in (0, 1] (the fraction of peak recompute runs at)")
     hw = load_preset(hardware) if isinstance(hardware, str) else hardware
     backend = backend or hw.platform
+    error = model.memory_error(backend)
     recompute = model.models_remat
     policies: Sequence[str | None] = [None] if remat is None else (list(remat) if recompute else ["none"])
     if not policies:
@@ -204,9 +223,10 @@ def plan(
             reason = "" if mem["total"] <= cap else over
             rt = flops / (hw.peak_flops * efficiency) if hw.peak_flops else 0.0
             options.append(Plan(_label(s), mesh, tuple(comms), comm_time(comms, hw, variant), mem, not reason, reason,
-                                remat=policy or "none", recompute_flops=flops, recompute_time_s=rt))  # fmt: skip
-            if policy == "none" and not reason:  # fits recomputing nothing: no other policy can rank above it
-                break
+                                remat=policy or "none", recompute_flops=flops, recompute_time_s=rt, usable_bytes=cap,
+                                memory_error=error))  # fmt: skip
+            if policy == "none" and not reason and not options[-1].tight:  # fits recomputing nothing, with margin:
+                break  # no other policy can rank above it
         fitting = [p for p in options if p.fits]
         best = min(fitting, key=rank_key) if fitting else min(options, key=lambda p: p.memory["total"])
         if not fitting and best.remat != "none":  # (a model whose memory ignores the policy: "none", said plainly)
@@ -229,17 +249,30 @@ def format_plans(plans: Sequence[Plan], efficiency: float | None = None) -> str:
     """A plain-text table of ranked plans: remat policy, recompute TFLOP per device and ms, comm ms, step ms
     (the ranking's key); with `efficiency` (what `plan` was given), the RANKING line under it."""
     head = (f"{'#':>3} {'strategy':<8} {'mesh':<30} {'remat':<13} {'recomp TF':>9} {'recomp ms':>9} "
-            f"{'comm ms':>9} {'step ms':>9} {'GiB sent':>9} {'mem GiB':>8}  note")  # fmt: skip
+            f"{'comm ms':>9} {'step ms':>9} {'GiB sent':>9} {'mem GiB':>8} {'spare GiB':>9}  note")  # fmt: skip
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
         lines.append(
             f"{i:>3} {p.strategy:<8} {p.grid:<30} {p.remat:<13} {p.recompute_flops / 1e12:>9.2f} "
             f"{p.recompute_time_s * 1e3:>9.2f} {p.comm_time_s * 1e3:>9.2f} {p.step_time_s * 1e3:>9.2f} "
-            f"{p.comm_bytes / 2**30:>9.3f} {p.memory['total'] / 2**30:>8.2f}  {p.reason}".rstrip()
+            f"{p.comm_bytes / 2**30:>9.3f} {p.memory['total'] / 2**30:>8.2f} {p.headroom_bytes / 2**30:>9.2f}  "
+            f"{_note(p)}".rstrip()
         )
     if efficiency is not None:
         lines.append(RANKING.format(eff=efficiency))
+    if any(p.tight for p in plans):
+        err = max(p.memory_error for p in plans if p.tight)
+        lines.append(f"tight: predicted to fit by less than the cost model's known memory error ({err:.0%} of the "
+                     "prediction): compile it for the target before trusting it")  # fmt: skip
     return "\n".join(lines)
+
+
+def _note(p: Plan) -> str:
+    """The note column: why a plan is rejected, or that it may not fit (`Plan.tight`)."""
+    if p.tight:
+        worst = p.memory["total"] * (1 + p.memory_error) / 2**30
+        return f"tight: may not fit (+{p.memory_error:.0%}: {worst:.1f} GiB)"
+    return p.reason
 
 
 __all__ = ["PLAN_HOOKS", "RANKING", "REMAT_POLICIES", "Plan", "candidates", "format_plans", "plan", "rank_key",

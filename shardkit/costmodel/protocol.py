@@ -81,6 +81,12 @@ class CostModel(abc.ABC):
         """Why the model's shapes do not divide `mesh` under `strategy` ("" if they do); `sk.plan` drops such plans."""
         return ""
 
+    def memory_error(self, backend: str) -> float:
+        """How far the predicted memory may be from the compiler's peak, as a fraction of the prediction (its
+        measured band on `backend`; 0: not measured). `sk.plan` marks a plan "tight" when the prediction plus this
+        fraction passes the memory it may use, so a plan near the limit is never offered without its margin."""
+        return 0.0
+
 
 _REGISTRY: dict[type, type[CostModel]] = {}
 _C = TypeVar("_C", bound=type[CostModel])
