@@ -13,6 +13,8 @@ fp32 parameters, AdamW:
   plan's strategy, mesh and `remat=` kernel);
 - `config`: the config in experiments/configs as it is (its mesh, strategy and remat), at that batch;
 - `fsdp` (7B): the config's model under strategy `fsdp` over the whole slice with full remat, MaxText's layout;
+  `fsdp_lean` the same with the head's dot in the compute dtype and the loss in chunks of 512
+  (`logits_dot_in_fp32=False, loss_chunk=512`: docs/performance.md's `lean`, MaxText's logits);
 - `maxtext`: MaxText's `model_name=llama2-7b` / `llama2-70b` at its defaults (ici_fsdp_parallelism=-1, remat
   `full`, its default attention), through peer_maxtext_tpu.py in its venv.
 
@@ -39,7 +41,7 @@ SCALE = {
     "7b": ("gpt_7b", "llama2-7b", "v5p-128", 256, 4096),
     "70b": ("gpt_70b", "llama2-70b", "v5p-256", 256, 4096),
 }
-CELLS = {"7b": ("plan", "config", "fsdp", "maxtext"), "70b": ("plan", "config", "maxtext")}
+CELLS = {"7b": ("plan", "config", "fsdp", "fsdp_lean", "maxtext"), "70b": ("plan", "config", "maxtext")}
 VOCAB = 32000  # llama2's
 
 
@@ -118,10 +120,12 @@ def cell(model: str, name: str, target: str, maxtext_python: str, logs: Path) ->
     if name == "config":
         config = scale_config(model, target)
         return config_program(config, strategy=config.strategy, mesh=config.mesh, remat=config.model.remat)
-    if name == "fsdp":
+    if name in ("fsdp", "fsdp_lean"):
         config = scale_config(model, target, strategy="fsdp", mesh="fsdp=-1")
         config.model.remat = "full"
-        return config_program(config, strategy="fsdp", mesh=f"fsdp={sk.target(target).num_devices}", remat="full")
+        if name == "fsdp_lean":
+            config.model.update(logits_dot_in_fp32=False, loss_chunk=512)
+        return config_program(config, strategy=name, mesh=f"fsdp={sk.target(target).num_devices}", remat="full")
     if name == "maxtext":
         spec = {"model_name": model_name, "target": target, "batch": batch, "seq": seq}
         out = peers_tpu.maxtext_compile(maxtext_python, spec, logs / f"maxtext_{model_name}_{target}.log", model_name)
