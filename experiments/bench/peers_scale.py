@@ -12,6 +12,7 @@ fp32 parameters, AdamW:
   with the remat policy it chose, compiled the way `experiments.plan --compile` compiles it (the config with the
   plan's strategy, mesh and `remat=` kernel);
 - `config`: the config in experiments/configs as it is (its mesh, strategy and remat), at that batch;
+  `config_own_batch` (7B) the same at the config's own batch (1024 for gpt_7b), which the compiler may refuse;
 - `fsdp` (7B): the config's model under strategy `fsdp` over the whole slice with full remat, MaxText's layout;
   `fsdp_lean` the same with the head's dot in the compute dtype and the loss in chunks of 512
   (`logits_dot_in_fp32=False, loss_chunk=512`: docs/performance.md's `lean`, MaxText's logits);
@@ -41,7 +42,10 @@ SCALE = {
     "7b": ("gpt_7b", "llama2-7b", "v5p-128", 256, 4096),
     "70b": ("gpt_70b", "llama2-70b", "v5p-256", 256, 4096),
 }
-CELLS = {"7b": ("plan", "config", "fsdp", "fsdp_lean", "maxtext"), "70b": ("plan", "config", "maxtext")}
+CELLS = {
+    "7b": ("plan", "config", "config_own_batch", "fsdp", "fsdp_lean", "maxtext"),
+    "70b": ("plan", "config", "maxtext"),
+}
 VOCAB = 32000  # llama2's
 
 
@@ -117,9 +121,13 @@ def cell(model: str, name: str, target: str, maxtext_python: str, logs: Path) ->
         config.kernels = ",".join(filter(None, [config.get("kernels", ""), f"remat={p.remat}"]))
         return config_program(config, strategy=p.strategy, mesh=mesh, remat=p.remat,
                               predicted_peak=p.memory["total"], predicted_collective_bytes=p.comm_bytes)  # fmt: skip
-    if name == "config":
+    if name in ("config", "config_own_batch"):
         config = scale_config(model, target)
-        return config_program(config, strategy=config.strategy, mesh=config.mesh, remat=config.model.remat)
+        if name == "config_own_batch":
+            own = importlib.import_module(f"experiments.configs.{SCALE[model][0]}").get_config()
+            config.batch_size = own.batch_size
+        return config_program(config, strategy=config.strategy, mesh=config.mesh, remat=config.model.remat,
+                              batch=config.batch_size)  # fmt: skip
     if name in ("fsdp", "fsdp_lean"):
         config = scale_config(model, target, strategy="fsdp", mesh="fsdp=-1")
         config.model.remat = "full"

@@ -154,8 +154,8 @@ def maxtext_compile(python: str, spec: dict[str, Any], log: Path, what: str) -> 
 
 def refused(why: str, compile_s: float, **extra: Any) -> dict[str, Any]:
     """A cell the compiler would not emit: its message and the memory it asked for ("... (213.45G) exceeds
-    available HBM (95.74G)": the first figure, in bytes; None when the message has none)."""
-    m = re.search(r"\(([\d.]+)([KMGT])\)", why)
+    available HBM (95.74G)" or "Used 213.45G of 95.74G hbm": the first size, in bytes; None when it has none)."""
+    m = re.search(r"(\d+(?:\.\d+)?)([KMGT])\b", why)
     need = float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10) if m else None
     return dict(refused=why, fits=False, required_bytes=need, compile_s=compile_s, **extra)
 
