@@ -16,6 +16,10 @@ fp32 parameters, AdamW:
 - `fsdp` (7B): the config's model under strategy `fsdp` over the whole slice with full remat, MaxText's layout;
   `fsdp_lean` the same with the head's dot in the compute dtype and the loss in chunks of 512
   (`logits_dot_in_fp32=False, loss_chunk=512`: docs/performance.md's `lean`, MaxText's logits);
+- `config_lean` (70B): the config with `logits_dot_in_fp32=False, loss_chunk=512`; `config_lean_unfused` the same
+  with splash's backward as two kernels (dq apart from dkv, as MaxText's `sa_use_fused_bwd_kernel: false` runs it)
+  where shardkit's splash fuses them (shardkit/attention/blocks.py): the bench swaps the kernel's block sizes for
+  this cell only (`unfused_splash_backward`), to measure that term; shardkit has no setting for it;
 - `maxtext`: MaxText's `model_name=llama2-7b` / `llama2-70b` at its defaults (ici_fsdp_parallelism=-1, remat
   `full`, its default attention), through peer_maxtext_tpu.py in its venv.
 
@@ -27,11 +31,13 @@ as refused with the compiler's message and the memory it asked for. Cells merge 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,7 @@ SCALE = {
 }
 CELLS = {
     "7b": ("plan", "config", "config_own_batch", "fsdp", "fsdp_lean", "maxtext"),
-    "70b": ("plan", "config", "maxtext"),
+    "70b": ("plan", "config", "config_lean", "config_lean_unfused", "maxtext"),
 }
 VOCAB = 32000  # llama2's
 
@@ -108,6 +114,29 @@ def config_program(config: Any, **record: Any) -> dict[str, Any]:
     return dict(out, fits=fits, spare_bytes=spare, compile_s=compile_s, **record)
 
 
+@contextlib.contextmanager
+def unfused_splash_backward() -> Iterator[None]:
+    """Within: shardkit's splash kernels are built with separate dq and dkv backward kernels (Pallas splash's
+    `use_fused_bwd_kernel=False`, dq blocks as the forward's). A measurement of one memory term, not a setting."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sa
+
+    from shardkit.attention import blocks
+
+    fused = sa.BlockSizes
+
+    def unfused(**kw: Any) -> Any:
+        kw.update(use_fused_bwd_kernel=False, block_q_dq=kw["block_q"], block_kv_dq=kw["block_kv"])
+        return fused(**kw)
+
+    sa.BlockSizes = unfused
+    blocks.splash_kernel.cache_clear()  # kernels are cached per shape
+    try:
+        yield
+    finally:
+        sa.BlockSizes = fused
+        blocks.splash_kernel.cache_clear()
+
+
 def cell(model: str, name: str, target: str, maxtext_python: str, logs: Path) -> dict[str, Any]:
     """One cell's record (the module docstring says which program each cell is)."""
     import shardkit as sk
@@ -128,6 +157,14 @@ def cell(model: str, name: str, target: str, maxtext_python: str, logs: Path) ->
             config.batch_size = own.batch_size
         return config_program(config, strategy=config.strategy, mesh=config.mesh, remat=config.model.remat,
                               batch=config.batch_size)  # fmt: skip
+    if name in ("config_lean", "config_lean_unfused"):
+        config = scale_config(model, target)
+        config.model.update(logits_dot_in_fp32=False, loss_chunk=512)
+        record = dict(strategy=config.strategy, mesh=config.mesh, remat=config.model.remat)
+        if name == "config_lean":
+            return config_program(config, **record)
+        with unfused_splash_backward():
+            return config_program(config, **record)
     if name in ("fsdp", "fsdp_lean"):
         config = scale_config(model, target, strategy="fsdp", mesh="fsdp=-1")
         config.model.remat = "full"
