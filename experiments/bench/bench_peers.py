@@ -223,6 +223,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="", help="with --target: a scale cell's model, 7b or 70b (peers_scale.py)")
     parser.add_argument("--cells", default="", help="with --model: the cells compiled (default all of the model's)")
     args = parser.parse_args(argv)
+    if args.model and not args.target:
+        from shardkit.errors import ShardkitError
+
+        raise ShardkitError(f"--model {args.model} compiles scale cells for a target: add --target (v5p-128 for 7b, "
+                            "v5p-256 for 70b)")  # fmt: skip
     version = maxtext_version(args.maxtext_python)
     if version is None:
         print(INSTALL)
