@@ -252,6 +252,25 @@ def chip_of(mesh: Any) -> HardwarePreset | None:
     return None
 
 
+def wraparound(topology: str) -> tuple[bool, bool, bool] | None:
+    """Which of a slice's ICI dimensions close into rings (wraparound links), as libtpu's `wrap` option takes them;
+    None when none does (libtpu's default: an open mesh).
+
+    A v4 / v5p slice whose every side is 4 chips or more (v5p-128 = 4x4x4 and larger: cubes joined by optical
+    switches) is a torus in all three dimensions; smaller ones are open meshes. On v5e / v6e a side wraps when it spans
+    a whole pod side (16 chips: v5e-128 = 8x16 wraps on its 16, v5e-256 on both). This is also how MaxText's
+    train_compile describes its targets (its accelerator table's `wrap`). Without it, XLA's TPU compiler plans a
+    v5p-128's 64-chip collectives on an open 4x4x4 mesh, where it writes fsdp's all-gathers as all-reduces of
+    zero-padded buffers (docs/performance.md, "Scale cells against MaxText")."""
+    prefix, _, shape = topology.partition(":")
+    dims = [int(x) for x in shape.split("x")]
+    if len(dims) == 3 and prefix in ("v4", "v5"):
+        wrap = (min(dims) >= 4,) * 3
+    else:
+        wrap = tuple(d == 16 for d in dims) + (False,) * (3 - len(dims))
+    return wrap if any(wrap) else None
+
+
 @functools.cache
 def _devices(topology: str, chip_config: str | None, slices: int) -> tuple[Any, ...]:
     if why := libtpu_missing():
@@ -262,6 +281,8 @@ def _devices(topology: str, chip_config: str | None, slices: int) -> tuple[Any, 
     kw: dict[str, Any] = {"chip_config_name": chip_config} if chip_config else {}
     if math.prod(int(x) for x in topology.partition(":")[2].split("x")) == 1:
         kw["chips_per_host_bounds"] = (1, 1, 1)  # a one-chip host (v5e-1, v6e-1): libtpu's default host is 2x2x1
+    if wrap := wraparound(topology):
+        kw["wrap"] = wrap  # the torus the slice is: its collectives are planned on the links it has
     with _stderr_kept() as said:  # libtpu's start-up lines about the absent chip: shown only if this fails
         try:
             desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices, **kw)

@@ -4,9 +4,13 @@
         [--maxtext-remat full,full@host,minimal] [--rounds 5] [--steps 5]
         [--maxtext-python /work/venv-maxtext/bin/python] [--out experiments/bench/results/bench_peers.json]
     python -m experiments.bench.bench_peers --target v5e-8 [--meshes fsdp,tp,tp_sp] [--remat full,best]
+    python -m experiments.bench.bench_peers --target v5p-128 --model 7b [--cells plan,config,fsdp,maxtext]
+    python -m experiments.bench.bench_peers --target v5p-256 --model 70b [--cells plan,config,maxtext]
 
 With --target, nothing runs: both train steps are compiled for that TPU topology by XLA's TPU compiler and their
-programs compared (memory, HBM bytes, FLOPs, collectives): experiments/bench/peers_tpu.py says how. The rest of
+programs compared (memory, HBM bytes, FLOPs, collectives): experiments/bench/peers_tpu.py says how. With --model
+too, the scale cells: shardkit's planner's first plan and its config against MaxText's own llama2 config at its
+defaults (experiments/bench/peers_scale.py). The rest of
 this docstring is the CPU timing.
 
 MaxText is not a dependency of shardkit. It needs Python >= 3.12 and its wheel declares its requirements only
@@ -216,11 +220,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--meshes", default="fsdp,tp,tp_sp", help="with --target: of fsdp, tp, tp_sp")
     parser.add_argument("--remat", default="full,best", help="with --target: of full, best")
+    parser.add_argument("--model", default="", help="with --target: a scale cell's model, 7b or 70b (peers_scale.py)")
+    parser.add_argument("--cells", default="", help="with --model: the cells compiled (default all of the model's)")
     args = parser.parse_args(argv)
+    if args.model and not args.target:
+        from shardkit.errors import ShardkitError
+
+        raise ShardkitError(f"--model {args.model} compiles scale cells for a target: add --target (v5p-128 for 7b, "
+                            "v5p-256 for 70b)")  # fmt: skip
     version = maxtext_version(args.maxtext_python)
     if version is None:
         print(INSTALL)
         save_json({"maxtext": "missing", "maxtext_python": args.maxtext_python, "install": INSTALL}, args.out)
+        return
+    if args.target and args.model:
+        from experiments.bench import peers_scale
+
+        default = args.out == parser.get_default("out")
+        out = f"{RESULTS}/bench_peers_tpu_{args.model}.json" if default else args.out
+        cells = args.cells.split(",") if args.cells else list(peers_scale.CELLS.get(args.model, ()))
+        result = peers_scale.run(args.target, args.model, cells, args.maxtext_python, Path(args.logs), out)
+        save_json({"maxtext": version, **result}, out)
         return
     if args.target:
         from experiments.bench import peers_tpu

@@ -2,6 +2,8 @@
 MaxText's venv, never in shardkit's:
 
     /work/venv-maxtext/bin/python experiments/bench/peer_maxtext_tpu.py '<json: model, target, mesh, remat>' OUT_DIR
+    /work/venv-maxtext/bin/python experiments/bench/peer_maxtext_tpu.py \
+        '<json: model_name, target, batch, seq>' OUT_DIR     # a scale cell: MaxText's own model config, its defaults
 
 Follows MaxText's own ahead-of-time compile (`maxtext.trainers.pre_train.train_compile`: `get_topology_mesh`,
 `get_shaped_inputs`, `get_functional_train_with_signature`, `jit_and_compile`) with its packaged base.yml plus the
@@ -9,6 +11,12 @@ overrides below (bf16 compute, fp32 weights, AdamW, scanned layers, its default 
 writes what the parent reads with shardkit's parser: OUT_DIR/maxtext.hlo (the compiled program's text) and
 OUT_DIR/maxtext.json (memory and cost analysis, the mesh, which device runs each partition, the parameter count,
 the versions). Imports nothing from shardkit: MaxText needs Python >= 3.12 and its own JAX.
+
+With `model_name` (a scale cell, `bench_peers --target v5p-128 --model 7b`), MaxText's own model file
+(configs/models/<model_name>.yml) and base.yml's defaults decide everything (its mesh: ici_fsdp_parallelism=-1 over
+the slice; its remat policy, dtypes, attention, optimizer) except the global batch (`per_device_batch_size` = batch /
+devices) and the sequence length (`max_target_length`). A program the compiler refuses for memory is recorded as
+refused, with the compiler's message, instead of failing.
 """
 
 import importlib.metadata
@@ -44,6 +52,22 @@ def overrides(m: dict, target: str, mesh: dict[str, int], remat: str) -> dict:
     }
 
 
+def scale_overrides(spec: dict) -> dict:
+    """A scale cell's keys: MaxText's model `spec["model_name"]` at its defaults, for `spec["target"]` (a Cloud name
+    such as v5p-128, which MaxText's compile_topology takes as it is), at `spec["batch"]` x `spec["seq"]` tokens."""
+    chips = int(spec["target"].rsplit("-", 1)[1]) // (2 if spec["target"].startswith(("v4", "v5p")) else 1)
+    return {
+        "model_name": spec["model_name"],
+        "per_device_batch_size": spec["batch"] / chips,
+        "max_target_length": spec["seq"],
+        "run_name": "bench_peers_tpu_scale",
+        "base_output_directory": tempfile.mkdtemp(prefix="maxtext_tpu_"),
+        "enable_checkpointing": False,
+        "compile_topology": spec["target"],
+        "compile_topology_num_slices": 1,
+    }
+
+
 def count_params(abstract_state) -> int:
     """The model's parameter count, as MaxText's train loop logs it (the state's nnx.Param leaves)."""
     from flax import nnx
@@ -62,7 +86,10 @@ def main() -> None:
 
     jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # as train_compile.main
     base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
-    keys = overrides(spec["model"], spec["target"], spec["mesh"], spec["remat"])
+    if "model_name" in spec:
+        keys = scale_overrides(spec)
+    else:
+        keys = overrides(spec["model"], spec["target"], spec["mesh"], spec["remat"])
     config = pyconfig.initialize(["train_compile.py", base, *(f"{k}={v}" for k, v in keys.items())])
     train_compile.validate_config(config)
     mesh = train_compile.get_topology_mesh(config)
@@ -74,8 +101,21 @@ def main() -> None:
         train.train_step, data_sharding, input_shardings, model, config, params_shardings
     )
     t0 = time.perf_counter()
-    compiled = train_compile.jit_and_compile(func, args, kwargs, mesh, in_shard, out_shard, static, donate, config,
-                                             logical_axis_rules(config.logical_axis_rules))  # fmt: skip
+    versions = {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "libtpu", "maxtext")}
+    mesh_record = {"axis_names": list(mesh.axis_names), "shape": list(mesh.devices.shape),
+                   "device_ids": [d.id for d in mesh.devices.flat]}  # fmt: skip
+    try:
+        compiled = train_compile.jit_and_compile(func, args, kwargs, mesh, in_shard, out_shard, static, donate,
+                                                 config, logical_axis_rules(config.logical_axis_rules))  # fmt: skip
+    except Exception as e:  # the compiler's refusal (larger than HBM) is the cell's verdict; anything else fails
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        refused = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
+        record = {"refused": refused, "compile_s": time.perf_counter() - t0, "mesh": mesh_record,
+                  "params": count_params(args[0]), "settings": keys, "versions": versions}  # fmt: skip
+        with open(os.path.join(out_dir, "maxtext.json"), "w") as f:
+            json.dump(record, f)
+        return
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -95,15 +135,11 @@ def main() -> None:
         },
         "hbm_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "flops": float(cost.get("flops", 0.0)),
-        "mesh": {
-            "axis_names": list(mesh.axis_names),
-            "shape": list(mesh.devices.shape),
-            "device_ids": [d.id for d in mesh.devices.flat],
-        },
+        "mesh": mesh_record,
         "partition_device_ids": order,
         "params": params,
         "settings": keys,
-        "versions": {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "libtpu", "maxtext")},
+        "versions": versions,
     }
     with open(os.path.join(out_dir, "maxtext.json"), "w") as f:
         json.dump(record, f)

@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import importlib.metadata
 import json
+import re
 import subprocess
 import tempfile
 import time
@@ -121,20 +122,29 @@ def shardkit_program(target: str, spec: str, strategy: str, remat: str, override
 
 
 def maxtext_program(python: str, target: str, mesh_name: str, remat: str, log: Path) -> dict[str, Any]:
+    spec = {"model": MODEL, "target": target, "mesh": MESHES[mesh_name][2], "remat": REMAT[remat][1]}
+    return maxtext_compile(python, spec, log, f"{mesh_name} / {remat}")
+
+
+def maxtext_compile(python: str, spec: dict[str, Any], log: Path, what: str) -> dict[str, Any]:
+    """MaxText's train step compiled by peer_maxtext_tpu.py in its venv for `spec` (that file's argument), and its
+    figures read here; a program the compiler refused for memory comes back as {"refused": its message, ...}."""
     import jax
 
     import shardkit as sk
 
-    spec = {"model": MODEL, "target": target, "mesh": MESHES[mesh_name][2], "remat": REMAT[remat][1]}
     with tempfile.TemporaryDirectory(prefix="peer_maxtext_tpu_") as tmp:
         argv = [python, str(ROOT / "experiments/bench/peer_maxtext_tpu.py"), json.dumps(spec), tmp]
         with log.open("w") as f:
             rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=1800).returncode
         if rc != 0:
-            raise RuntimeError(f"MaxText's compile for {mesh_name} / {remat} exited with {rc}; see {log}")
+            raise RuntimeError(f"MaxText's compile for {what} exited with {rc}; see {log}")
         rec = json.loads(Path(tmp, "maxtext.json").read_text())
+        if "refused" in rec:
+            return refused(rec["refused"], rec["compile_s"], params=rec["params"], settings=rec["settings"],
+                           versions=rec["versions"], mesh=rec["mesh"])  # fmt: skip
         text = Path(tmp, "maxtext.hlo").read_text()
-    by_id = {d.id: d for d in sk.targets.target(target).devices}
+    by_id = {d.id: d for d in sk.targets.target(spec["target"]).devices}
     ids = rec["mesh"]["device_ids"]
     mesh = jax.sharding.Mesh(np.array([by_id[i] for i in ids]).reshape(rec["mesh"]["shape"]),
                              tuple(rec["mesh"]["axis_names"]))  # fmt: skip
@@ -142,7 +152,15 @@ def maxtext_program(python: str, target: str, mesh_name: str, remat: str, log: P
         print(f"note: MaxText's partitions run on devices {rec['partition_device_ids']}, its mesh lists {ids}")
     out = program_figures(text, rec["memory"], rec["hbm_bytes_accessed"], mesh)
     return dict(out, params=rec["params"], settings=rec["settings"], versions=rec["versions"],
-                compile_s=rec["compile_s"])  # fmt: skip
+                compile_s=rec["compile_s"], mesh=rec["mesh"])  # fmt: skip
+
+
+def refused(why: str, compile_s: float, **extra: Any) -> dict[str, Any]:
+    """A cell the compiler would not emit: its message and the memory it asked for ("... (213.45G) exceeds
+    available HBM (95.74G)" or "Used 213.45G of 95.74G hbm": the first size, in bytes; None when it has none)."""
+    m = re.search(r"(\d+(?:\.\d+)?)([KMGT])\b", why)
+    need = float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10) if m else None
+    return dict(refused=why, fits=False, required_bytes=need, compile_s=compile_s, **extra)
 
 
 RATIO_KEYS = ("peak", "temp", "hbm_bytes_accessed", "matmul_flops", "collective_bytes")
