@@ -25,7 +25,8 @@ the TPU compiler keeps in HBM besides them). Misses (tp and ep measured at this 
   the TPU compiler then keeps two more copies of the bf16 [L, tokens, mlp] stacks for its async slicing of the layer
   loop (2 x 24 MiB under fsdp), which it does not under the XLA attention; not itemised. fsdp 14% above (309.0 vs
   270.3 MiB), fsdp_tp 22% (377.2 vs 309.1). With attention_block=xla both were within 10% (stop 38).
-- cp_zigzag (asserted as what is true): temporaries 82% above under splash (489 vs 269 MiB; 94% under the XLA
+- cp_zigzag (asserted as what is true): temporaries 82% above under splash with libtpu 0.0.42.1 (jax 0.10; 43%
+  with libtpu 0.0.50.1, jax 0.12, whose program keeps less: the band covers both) (489 vs 269 MiB; 94% under the XLA
   scan, 521 MiB): the layer loops' tuples are the prediction; the rest, the layer bodies' and the ring's inner
   loops' buffers, is itemised as far as the program text places them in docs/targets.md §5. Its collectives are
   exact (K and V travel in the model's dtype into splash; the scan's dots took them in bf16).
@@ -58,7 +59,7 @@ CASES = {
     "pp": ("stage=4", "v5e-4"),  # one layer a stage: the 4-layer GPT
 }
 #: compiled / predicted temporaries where the 10% does not hold (module docstring): the measured ratio's band
-TEMP_MISS = {"cp_zigzag": (1.6, 2.2), "fsdp": (1.05, 1.25), "fsdp_tp": (1.1, 1.35)}
+TEMP_MISS = {"cp_zigzag": (1.35, 2.2), "fsdp": (1.05, 1.25), "fsdp_tp": (1.1, 1.35)}
 
 
 def _report(strategy: str) -> Report:
