@@ -12,7 +12,8 @@ fp32 parameters, AdamW:
   with the remat policy it chose, compiled the way `experiments.plan --compile` compiles it (the config with the
   plan's strategy, mesh and `remat=` kernel);
 - `config`: the config in experiments/configs as it is (its mesh, strategy and remat), at that batch;
-  `config_own_batch` (7B) the same at the config's own batch (1024 for gpt_7b), which the compiler may refuse;
+  `config_own_batch` (7B) the same at the config's own batch, which the compiler may refuse (gpt_7b's is now 256,
+  SCALE's: the JSON's record of it is the former fsdp_tp config at 1024, refused);
 - `fsdp` (7B): the config's model under strategy `fsdp` over the whole slice with full remat, MaxText's layout;
   `fsdp_lean` the same with the head's dot in the compute dtype and the loss in chunks of 512
   (`logits_dot_in_fp32=False, loss_chunk=512`: docs/performance.md's `lean`, MaxText's logits);
@@ -23,10 +24,11 @@ fp32 parameters, AdamW:
 - `maxtext`: MaxText's `model_name=llama2-7b` / `llama2-70b` at its defaults (ici_fsdp_parallelism=-1, remat
   `full`, its default attention), through peer_maxtext_tpu.py in its venv.
 
-shardkit's configs are compiled at llama2's vocabulary of 32000 (VOCAB; gpt_7b leaves its own to the data, and
-the byte tokenizer's 384 would hide the embedding and head). A program the compiler refuses for memory is recorded
-as refused with the compiler's message and the memory it asked for. Cells merge into the model's JSON
-(experiments/bench/results/bench_peers_tpu_<model>.json), so they can be compiled in separate invocations.
+shardkit's configs are compiled at llama2's vocabulary of 32000 (VOCAB; gpt_7b and gpt_70b set it too, and a
+config left to the data would get the byte tokenizer's 384, which would hide the embedding and head). A program
+the compiler refuses for memory is recorded as refused with the compiler's message and the memory it asked for.
+Cells merge into the model's JSON (experiments/bench/results/bench_peers_tpu_<model>.json), so they can be compiled
+in separate invocations.
 """
 
 from __future__ import annotations
