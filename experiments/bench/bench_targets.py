@@ -50,13 +50,14 @@ CFG = GPTConfig(num_layers=4, d_model=512, num_heads=8, num_kv_heads=8, head_dim
 BATCH, SEQ = 16, 1024
 
 
-def model_for(strategy: str) -> GPTConfig:
-    return dataclasses.replace(CFG, num_experts=4, top_k=2) if strategy.startswith("ep") else CFG
+def model_for(strategy: str, dtype: str = "float32") -> GPTConfig:
+    cfg = dataclasses.replace(CFG, dtype=dtype)
+    return dataclasses.replace(cfg, num_experts=4, top_k=2) if strategy.startswith("ep") else cfg
 
 
-def measure(strategy: str, target: str, attention_block: str = "auto") -> dict[str, Any]:
-    """One strategy compiled for the target: the report's rows, compiled vs predicted."""
-    cfg = model_for(strategy)
+def measure(strategy: str, target: str, attention_block: str = "auto", dtype: str = "float32") -> dict[str, Any]:
+    """One strategy compiled for the target: the report's rows, compiled vs predicted (compute in `dtype`)."""
+    cfg = model_for(strategy, dtype)
     gpu = sk.target(target).platform == "gpu"
     target = f"{target.split('-')[0]}-4" if gpu and strategy in TARGETS else TARGETS.get(strategy, target)
     mesh = sk.make_mesh(MESHES[strategy], target=target)
@@ -78,8 +79,8 @@ def measure(strategy: str, target: str, attention_block: str = "auto") -> dict[s
     mem = {r["name"]: dict(compiled=r["compiled"], predicted=r["predicted"]) for r in report.memory_rows()}
     total = sum(r["compiled"] for r in rows)
     ptotal = sum(r["predicted"] or 0.0 for r in rows)
-    return dict(strategy=strategy, mesh=MESHES[strategy], target=target, compile_s=compile_s, rows=rows, memory=mem,
-                comm_compiled=total, comm_predicted=ptotal, source=report.prediction_source,
+    return dict(strategy=strategy, mesh=MESHES[strategy], target=target, dtype=cfg.dtype, compile_s=compile_s,
+                rows=rows, memory=mem, comm_compiled=total, comm_predicted=ptotal, source=report.prediction_source,
                 notes=report.notes)  # fmt: skip
 
 
@@ -92,11 +93,16 @@ def main() -> None:
     ap.add_argument("--target", default="v5e-8")
     ap.add_argument("--strategies", default=",".join(MESHES))
     ap.add_argument("--attention-block", default="auto", help="the attention block kernel (auto: splash on TPU)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="the compute dtype (bfloat16: the head and loss as the target picks them; parameters stay float32)",
+    )
     ap.add_argument("--out", default=f"{RESULTS}/bench_targets.json")
     args = ap.parse_args()
     results = []
     for s in [x for x in args.strategies.split(",") if x]:
-        r = measure(s, args.target, args.attention_block)
+        r = measure(s, args.target, args.attention_block, args.dtype)
         results.append(r)
         temp = r["memory"]["temporaries"]
         print(f"\n{s} on {r['mesh']} ({r['target']}, compiled in {r['compile_s']:.1f} s): temporaries compiled "

@@ -42,7 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     module, target, mesh, batch, seq, mfu, source = CASES[args.case]
     c = module.get_config()
-    c.target, c.mesh, c.batch_size, c.seq_len = target, mesh, batch, seq
+    # MaxText's layout (fsdp over every chip, ici_fsdp_parallelism=-1), not the config's own plan (gpt_70b: tp3d)
+    c.target, c.mesh, c.strategy, c.batch_size, c.seq_len = target, mesh, "fsdp", batch, seq
     if args.remat:
         c.model.remat = args.remat
     t0 = time.perf_counter()
