@@ -13,8 +13,9 @@ the fastest that fits is trained (docs/planner.md).
    typed `--config.strategy=<s> --config.mesh=<mesh> --config.kernels=remat=<policy>` (`train.build`), and read:
    memory per device = arguments + outputs - aliased + temporaries (`memory_analysis()`), which must fit
    `auto.memory_fraction` of the preset's `hbm_bytes` (cpu8: a nominal 3.0 GB share of host RAM per virtual device);
-   the step time is a ROOFLINE ESTIMATE, not a measurement: max(flops / peak, bytes accessed / hbm_bandwidth) from
-   `cost_analysis()` + the compiled collectives' alpha-beta time on the preset's links (`shardkit.hlo`).
+   the step time is a ROOFLINE ESTIMATE, not a measurement: `shardkit.roofline`'s, as `sk.explain` reports it, with
+   no overlap assumed: max(FLOPs / peak, HBM bytes / hbm_bandwidth) per region (both read from the program, loop
+   trip counts included) + the compiled collectives' alpha-beta time on the links their axes ride.
 3. The fitting candidate with the lowest estimate trains (its compiled step reused); the table and the reason
    are printed. The run directory is `<config_name>-auto` (`--config.name` overrides), so rerunning the same
    command resumes it even if the pick changed (a checkpoint restores onto any strategy); config.json records
@@ -32,7 +33,7 @@ import jax
 import ml_collections
 
 import shardkit as sk
-from shardkit import costmodel, costmodel_rules, hlo
+from shardkit import costmodel, costmodel_rules, roofline
 
 
 @dataclasses.dataclass
@@ -132,18 +133,12 @@ def compiled_estimate(c: Candidate, preset: sk.HardwarePreset, peak: float, budg
     ma = c.compiled.memory_analysis()
     get = lambda k: float(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
     c.memory = get("argument") + get("output") - get("alias") + get("temp")
-    cost = c.compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
-    c.flops, c.bytes_accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    c.comm_s, c.comm_bytes = 0.0, 0.0
-    for col in hlo.collectives(c.compiled, c.run.mesh):
-        c.comm_bytes += col.bytes_sent
-        links = [preset.link(a) for a in col.axes if a in c.run.mesh.shape] or [preset.links["ici"]]
-        link = min(links, key=lambda link: link.bandwidth)
-        c.comm_s += col.count * max(1, col.group_size - 1) * link.latency + col.bytes_sent / link.bandwidth
-    bw = preset.hbm_bandwidth
-    roof = max(c.flops / peak if peak else 0.0, c.bytes_accessed / bw if bw else 0.0)
-    c.estimate_s = roof + c.comm_s
+    # the roofline explain reports (shardkit/roofline.py: FLOPs and HBM bytes read with loop trip counts, collectives
+    # on the links their axes ride), with no overlap assumed; peak: the chip's, or the one measured on this host
+    r = roofline.roofline(c.compiled, c.run.mesh, dataclasses.replace(preset, peak_flops=peak))
+    c.flops, c.bytes_accessed = r.matmul_flops + r.kernel_flops, r.hbm_bytes
+    c.comm_s, c.comm_bytes = r.comm_s, sum(row["bytes_sent"] for row in r.collectives)
+    c.estimate_s = r.no_overlap_s
     c.fits = c.memory <= budget
     if not c.fits:
         c.note = f"needs {c.memory / 2**20:,.0f} MiB > budget {budget / 2**20:,.0f} MiB"
@@ -227,7 +222,7 @@ def choose(config: ml_collections.ConfigDict, build: Callable, say: Callable[[st
            f"({best.comm_bytes / 2**20:,.1f} MiB, read from {tgt.name}'s compiled program) of the candidates that "
            f"fit ({best.memory / 2**20:,.1f} MiB <= {budget / 2**20:,.0f} MiB)") if tgt else (
            f"auto chose {best.strategy} on {best.grid}, remat {best.remat}: the lowest estimated step time "
-           f"({best.estimate_s * 1e3:.2f} ms, a roofline estimate: max(flops/peak, bytes/bandwidth) + collectives)"
+           f"({best.estimate_s * 1e3:.2f} ms, a roofline estimate, shardkit.roofline's with no overlap)"
            f" of the candidates that fit ({best.memory / 2**20:,.1f} MiB <= {budget / 2**20:,.0f} MiB)"
            f"{'; vs ' + others if others else ''}")  # fmt: skip
     if config.compile_only and not tgt:

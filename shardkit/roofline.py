@@ -101,7 +101,8 @@ class Roofline:
             f"step time ({self.label}; a roofline on {self.device_kind}: "
             f"{self.peak_flops / 1e12:.0f} TFLOP/s, HBM {self.hbm_bandwidth / 1e9:.0f} GB/s)",
             f"  FLOPs     {(self.matmul_flops + self.kernel_flops) / 1e12:.4g} TFLOP per device -> {ms(self.flops_s)}",
-            f"  HBM bytes {self.hbm_bytes / 1e9:.4g} GB per device -> {ms(self.hbm_s)}"
+            f"  HBM bytes {self.hbm_bytes / 1e9:.4g} GB per device -> "
+            + (ms(self.hbm_s) if self.hbm_bandwidth else "no HBM bandwidth given: not in the time")
             + (f" (compiler's cost_analysis: {self.hbm_bytes_cost_analysis / 1e9:.4g} GB, loop bodies once)"
                if self.hbm_bytes_cost_analysis is not None else " (cost_analysis gives none here)"),
             f"  collectives {ms(self.comm_s)} on the links below, {ms(self.comm_overlappable_s)} of it async inside "
@@ -249,10 +250,10 @@ def roofline(
 
     preset = getattr(chip, "chip", chip)  # a Target carries its preset
     peak, bw = float(getattr(preset, "peak_flops", 0.0)), float(getattr(preset, "hbm_bandwidth", 0.0))
-    if not has_figures(chip):
+    if peak <= 0 or "ici" not in (getattr(preset, "links", None) or {}):
         raise ShardkitError(
-            f"no roofline for {getattr(preset, 'name', chip)!r}: it needs peak_bf16_flops > 0, hbm_bandwidth > 0 and "
-            f"a [links.ici] table (peak {peak}, hbm_bandwidth {bw}); add them to its meshes/*.toml with their sources"
+            f"no roofline for {getattr(preset, 'name', chip)!r}: it needs peak_bf16_flops > 0 and a [links.ici] table "
+            f"(peak {peak}); add them to its meshes/*.toml with their sources"
         )
     platform = platform or platform_family(mesh)
     colls = list(collectives) if collectives is not None else hlo.collectives(compiled, mesh)
@@ -274,8 +275,9 @@ def roofline(
         rows.append(dict(kind=c.kind, axes=list(c.axes), link=slowest.link, bytes_sent=c.bytes_sent,
                          seconds=seconds, overlappable=hides, in_loop=c.in_loop))  # fmt: skip
     fl, kf, hb = costs["flops"], costs["kernel_flops"], costs["hbm"]
-    compute = [max((fl[k] + kf[k]) / peak, hb[k] / bw) for k in (0, 1)]
-    flops_s, hbm_s = (sum(fl) + sum(kf)) / peak, sum(hb) / bw
+    hbm_time = lambda b: b / bw if bw else 0.0  # a preset without an HBM bandwidth: no second roof (the text says)
+    compute = [max((fl[k] + kf[k]) / peak, hbm_time(hb[k])) for k in (0, 1)]
+    flops_s, hbm_s = (sum(fl) + sum(kf)) / peak, hbm_time(sum(hb))
     compute_s = compute[0] + compute[1]
     step_s = compute[0] + max(compute[1], overlappable) + (comm - overlappable)
     ca = _cost_analysis_bytes(compiled)

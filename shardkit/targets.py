@@ -253,15 +253,11 @@ def chip_of(mesh: Any) -> HardwarePreset | None:
 
 
 def wraparound(topology: str) -> tuple[bool, bool, bool] | None:
-    """Which of a slice's ICI dimensions close into rings (wraparound links), as libtpu's `wrap` option takes them;
-    None when none does (libtpu's default: an open mesh).
-
-    A v4 / v5p slice whose every side is 4 chips or more (v5p-128 = 4x4x4 and larger: cubes joined by optical
-    switches) is a torus in all three dimensions; smaller ones are open meshes. On v5e / v6e a side wraps when it spans
-    a whole pod side (16 chips: v5e-128 = 8x16 wraps on its 16, v5e-256 on both). This is also how MaxText's
-    train_compile describes its targets (its accelerator table's `wrap`). Without it, XLA's TPU compiler plans a
-    v5p-128's 64-chip collectives on an open 4x4x4 mesh, where it writes fsdp's all-gathers as all-reduces of
-    zero-padded buffers (docs/performance.md, "Scale cells against MaxText")."""
+    """Which of a slice's ICI dimensions close into rings, as libtpu's `wrap` option takes them; None: none (an open
+    mesh, libtpu's default). A v4 / v5p slice with every side >= 4 chips (v5p-128 = 4x4x4 and up) is a torus in all
+    three; on v5e / v6e a side wraps when it spans a pod side (16 chips), as MaxText's train_compile describes its
+    targets. Without it XLA plans a v5p-128's 64-chip collectives on an open mesh and writes fsdp's all-gathers as
+    all-reduces of zero-padded buffers (docs/performance.md, "Scale cells against MaxText")."""
     prefix, _, shape = topology.partition(":")
     dims = [int(x) for x in shape.split("x")]
     if len(dims) == 3 and prefix in ("v4", "v5"):

@@ -3,6 +3,7 @@ on the link it rides (ICI inside a TPU slice, DCN across slices), and every plac
 One tiny GPT compiled by XLA's TPU compiler for two v5e-8 slices; nothing runs on a chip and no time is measured.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -81,8 +82,13 @@ def test_the_report_labels_it_a_prediction():
                              sk.make_mesh("data=2,fsdp=4"), "fsdp")  # fmt: skip
     batch = cpu.abstract_batch({k: ((BATCH, SEQ), jnp.int32) for k in ("inputs", "targets")})
     assert sk.explain(cpu, cpu.abstract_state(), batch).roofline is None  # CPU: no chip figures, no prediction
-    with pytest.raises(sk.ShardkitError, match=r"no roofline for 'cpu8'.*hbm_bandwidth"):
-        roofline.roofline(report.compiled, sk.make_mesh("data=2,fsdp=4"), sk.load_preset("cpu8"))
+    cpu8 = sk.load_preset("cpu8")  # its peak is measured at start-up: 0 in the file
+    with pytest.raises(sk.ShardkitError, match=r"no roofline for 'cpu8'.*peak_bf16_flops > 0"):
+        roofline.roofline(report.compiled, sk.make_mesh("data=2,fsdp=4"), cpu8)
+    # a measured peak and no HBM bandwidth (strategy=auto on a preset that gives none): no second roof, said so
+    bare = dataclasses.replace(cpu8, peak_flops=1e12, hbm_bandwidth=0.0)
+    r = roofline.roofline(report.compiled, sk.make_mesh("data=2,fsdp=4"), bare)
+    assert r.hbm_s == 0 and r.no_overlap_s == pytest.approx(r.flops_s + r.comm_s) and "no HBM bandwidth" in r.text()
 
 
 _LOOP = """HloModule m, num_partitions=1
