@@ -32,11 +32,16 @@ from typing import Any
 
 from experiments.bench.peers_tpu import MESHES, MODEL, REMAT, markdown, maxtext_compile, shardkit_program, table
 
-#: shardkit's variants on GPU: GPTConfig overrides and kernel slots
+#: shardkit's variants on GPU: GPTConfig overrides and kernel slots; embed "tpu": the kernel `auto` takes on a TPU
+#: for the cell's strategy (local under fsdp, vocab under tp and tp_sp), where on a GPU it takes gather
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "default": ({}, {}),
     "pallas_gpu": ({}, {"attention_block": "pallas_gpu"}),
+    "pallas_gpu+embed": ({}, {"attention_block": "pallas_gpu", "embed": "tpu"}),
 }
+#: the markdown's ratios: the issue's goal (defaults), then like with like (XLA's attention; Triton flash attention)
+PAIRS = (("shardkit default", "maxtext"), ("shardkit default", "maxtext dot_product"),
+         ("shardkit pallas_gpu", "maxtext"), ("shardkit pallas_gpu+embed", "maxtext"))  # fmt: skip
 #: the CUDA compiler's packages on either side (JAX 0.10's plugin is cuda12, 0.12.1's cuda13)
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvcc")
 
@@ -64,6 +69,8 @@ def maxtext_program(python: str, target: str, mesh_name: str, remat: str, attent
 def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, logs: Path,
         maxtext_attention: str = "") -> dict[str, Any]:  # fmt: skip
     """Compiles every (mesh, remat) cell for both sides; returns the JSON record (and prints as it goes)."""
+    import shardkit as sk
+
     logs.mkdir(parents=True, exist_ok=True)
     cells: dict[str, dict[str, Any]] = {}
     maxtext: dict[tuple, dict[str, Any]] = {}  # one MaxText compile per (its mesh, its remat, attention)
@@ -72,8 +79,11 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
         for remat in remats:
             cell = f"{mesh_name}, remat {remat} (shardkit {REMAT[remat][0]}, MaxText {REMAT[remat][1]})"
             spec, strategy, _ = MESHES[mesh_name]
-            runs = {f"shardkit {v}": shardkit_program(target, spec, strategy, REMAT[remat][0], o, kernels=k)
-                    for v, (o, k) in VARIANTS.items()}  # fmt: skip
+            runs = {}
+            for v, (o, k) in VARIANTS.items():
+                if k.get("embed") == "tpu":
+                    k = {**k, "embed": sk.embedding.planned(strategy, MESHES[mesh_name][2], MODEL["batch"], "tpu")}
+                runs[f"shardkit {v}"] = shardkit_program(target, spec, strategy, REMAT[remat][0], o, kernels=k)
             for attention in attentions:
                 key = (json.dumps(MESHES[mesh_name][2]), remat, attention)
                 if key not in maxtext:
@@ -89,7 +99,7 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
     if any(len(set(p.values())) > 1 for p in params.values()):
         print(f"note: parameter counts differ: {params}")
     sides = tuple(s for s in next(iter(cells.values())) if s != "maxtext")
-    print(markdown(cells, sides, ratio=tuple(f"shardkit {v}" for v in VARIANTS)))
+    print(markdown(cells, sides, ratio=tuple((a, b) for a, b in PAIRS if a in sides and b in (*sides, "maxtext"))))
     return {"target": target, "model": MODEL, "versions": {"shardkit": ours, "maxtext": theirs},
             "shardkit_variants": {v: {"overrides": o, "kernels": k} for v, (o, k) in VARIANTS.items()},
             "cells": cells}  # fmt: skip

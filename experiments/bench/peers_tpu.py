@@ -207,18 +207,18 @@ def table(cells: dict[str, dict[str, Any]]) -> str:
 
 
 def markdown(cells: dict[str, dict[str, Any]], sides: tuple[str, ...] = ("shardkit fp32 head", "shardkit default"),
-             ratio: tuple[str, ...] = ("shardkit default",)) -> str:  # fmt: skip
+             ratio: tuple[tuple[str, str], ...] = (("shardkit default", "maxtext"),)) -> str:  # fmt: skip
     """The comparison as docs/performance.md shows it: a row per (cell, figure), each of `sides` and MaxText, and
-    each of `ratio` / MaxText."""
+    each (a, b) of `ratio` as a / b."""
+    short = lambda side: side.removeprefix("shardkit ").replace("maxtext", "MaxText")
     head = "| mesh, remat | figure | " + " | ".join([*sides, "MaxText"]) + " | "
-    rows = [head + " | ".join(f"{r.removeprefix('shardkit ')} / MaxText" for r in ratio) + " |",
+    rows = [head + " | ".join(f"{short(a)} / {short(b)}" for a, b in ratio) + " |",
             "|---|---|" + "---|" * (len(sides) + 1 + len(ratio))]  # fmt: skip
     for cell, runs in cells.items():
         for key in (k for k in RATIO_KEYS if runs["maxtext"][k] is not None):
-            mt = runs["maxtext"][key]
             figs = " | ".join(FMT[key](runs[s][key]) for s in (*sides, "maxtext"))
             rows.append(f"| {cell.split(' (')[0]} | {key} | {figs} | "
-                        + " | ".join(f"**{runs[r][key] / mt:.2f}x**" for r in ratio) + " |")  # fmt: skip
+                        + " | ".join(f"**{runs[a][key] / runs[b][key]:.2f}x**" for a, b in ratio) + " |")  # fmt: skip
     return "\n".join(rows)
 
 
