@@ -19,6 +19,10 @@ and `pallas_gpu` (attention_block=pallas_gpu, JAX's Pallas Triton flash attentio
 count dots only: a kernel's attention FLOPs are not in them (the XLA attention's are). `--maxtext-attention`
 compiles MaxText once more per cell with that attention (e.g. `dot_product`, its XLA attention, beside shardkit's
 default). Nothing is timed; gemm tiles are XLA's fallback ones (no autotuning without a GPU).
+
+MaxText's venv needs XLA's CUDA compiler beside its TPU set (no GPU needed; jax 0.12.1's plugin is CUDA 13 only):
+
+    /work/venv-maxtext/bin/pip install "jax[cuda13-local]==0.12.1" "nvidia-cuda-nvcc>=13.0.48"
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,36 @@ def versions() -> dict[str, str]:
     return out
 
 
+#: run in MaxText's venv: which of the CUDA compiler's parts are missing there (nothing printed: none)
+PROBE = """import importlib.util as u
+def has(m):
+    try:
+        return u.find_spec(m) is not None
+    except (ImportError, ValueError):
+        return False
+plugin = has("jax_plugins.xla_cuda13") or has("jax_plugins.xla_cuda12")
+ptxas = has("nvidia.cu13") or has("nvidia.cuda_nvcc")
+print(", ".join([*([] if plugin else ["JAX's CUDA plugin"]), *([] if ptxas else ["ptxas"])]))"""
+
+
+def check_cuda(python: str) -> None:
+    """A ShardkitError naming what to install when MaxText's venv lacks XLA's CUDA compiler."""
+    from shardkit.errors import ShardkitError
+
+    got = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    if got.returncode or got.stdout.strip():
+        missing = got.stdout.strip() or got.stderr.strip()[-300:]
+        raise ShardkitError(f"MaxText's venv ({python}) cannot compile for a GPU ({missing} missing): {python} -m pip "
+                            f'install "jax[cuda13-local]=={_version(python)}" "nvidia-cuda-nvcc>=13.0.48" (no GPU '
+                            "needed; jax 0.12.1 has only a CUDA 13 plugin)")  # fmt: skip
+
+
+def _version(python: str) -> str:
+    got = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('jax'))"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    return got.stdout.strip() or "<its jax version>"
+
+
 def maxtext_program(python: str, target: str, mesh_name: str, remat: str, attention: str, log: Path) -> dict:
     """MaxText's train step for the GPU `target` (its GpuTargetConfigProto and topology from shardkit's target)."""
     import shardkit as sk
@@ -71,6 +106,7 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
     """Compiles every (mesh, remat) cell for both sides; returns the JSON record (and prints as it goes)."""
     import shardkit as sk
 
+    check_cuda(maxtext_python)
     logs.mkdir(parents=True, exist_ok=True)
     cells: dict[str, dict[str, Any]] = {}
     maxtext: dict[tuple, dict[str, Any]] = {}  # one MaxText compile per (its mesh, its remat, attention)
