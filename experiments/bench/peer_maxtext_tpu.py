@@ -21,9 +21,11 @@ refused, with the compiler's message, instead of failing.
 With `gpu` (`bench_peers --target h100-8`: {"spec": GpuTargetConfigProto text, "topology": "1x1x8"}), the program is
 compiled by XLA's CUDA compiler (JAX's CUDA plugin in MaxText's venv, JAX_PLATFORMS=cpu) with hardware=gpu and
 compile_topology=a3 (MaxText's name for an 8 x H100 host). MaxText's train_compile cannot give it the devices:
-`get_topology_mesh`'s GPU branch takes `jax.devices()`, the GPUs of the host it runs on, and on a host without one
-those are CPU devices (gpu_topology_mesh). The devices come from XLA's topology description of the spec instead,
-and the rest of its mesh code runs as it is. `attention` (optional) overrides MaxText's default.
+`get_topology_mesh`'s GPU branch takes `jax.devices()`, the GPUs of the host it runs on; without one that is the
+host's CPU, and its `create_device_mesh` stops ("Number of devices per slice 1 does not match the product of the ICI
+parallelism 8"). The devices come from XLA's topology description of the spec instead (gpu_topology_mesh), and the
+rest of its mesh code runs as it is. tokamax's cross_compile option lets MaxText's GPU flash attention be traced on
+the CPU (cross_compile). `attention` (optional) overrides MaxText's default.
 """
 
 import contextlib
