@@ -23,6 +23,9 @@ default). Nothing is timed; gemm tiles are XLA's fallback ones (no autotuning wi
 MaxText's venv needs XLA's CUDA compiler beside its TPU set (no GPU needed; jax 0.12.1's plugin is CUDA 13 only):
 
     /work/venv-maxtext/bin/pip install "jax[cuda13-local]==0.12.1" "nvidia-cuda-nvcc>=13.0.48"
+
+That is another compiler than shardkit's (jax 0.12.0.1's CUDA 12 plugin): docs/performance.md ("The GPU program
+against MaxText's") builds a venv of MaxText's packages with shardkit's compiler, for `--maxtext-python`.
 """
 
 from __future__ import annotations
@@ -131,6 +134,11 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
     ours = versions()
     theirs = next(iter(cells.values()))["maxtext"]["versions"]
     print(f"compilers: shardkit {ours}; MaxText {theirs}")
+    if any(theirs.get(p) != v for p, v in ours.items()):  # docs/performance.md: a venv with shardkit's compiler
+        print(
+            "note: the two sides were compiled by different compilers; --maxtext-python a MaxText venv with "
+            f"shardkit's ({', '.join(f'{p}=={v}' for p, v in ours.items())}) compares like with like"
+        )
     params = {c: {s: r["params"] for s, r in runs.items()} for c, runs in cells.items()}
     if any(len(set(p.values())) > 1 for p in params.values()):
         print(f"note: parameter counts differ: {params}")
