@@ -6,9 +6,12 @@
     python -m experiments.bench.bench_peers --target v5e-8 [--meshes fsdp,tp,tp_sp] [--remat full,best]
     python -m experiments.bench.bench_peers --target v5p-128 --model 7b [--cells plan,config,fsdp,maxtext]
     python -m experiments.bench.bench_peers --target v5p-256 --model 70b [--cells plan,config,maxtext]
+    python -m experiments.bench.bench_peers --target h100-8 [--meshes fsdp,tp,tp_sp] [--remat full,best]
+        [--maxtext-attention dot_product]
 
 With --target, nothing runs: both train steps are compiled for that TPU topology by XLA's TPU compiler and their
-programs compared (memory, HBM bytes, FLOPs, collectives): experiments/bench/peers_tpu.py says how. With --model
+programs compared (memory, HBM bytes, FLOPs, collectives): experiments/bench/peers_tpu.py says how; a GPU target
+(h100-8) by XLA's CUDA compiler, experiments/bench/peers_gpu.py. With --model
 too, the scale cells: shardkit's planner's first plan and its config against MaxText's own llama2 config at its
 defaults (experiments/bench/peers_scale.py). The rest of
 this docstring is the CPU timing.
@@ -58,6 +61,7 @@ from typing import Any
 
 from experiments.bench.timing import RESULTS, save_json
 from experiments.host_malloc import HOST_MALLOC
+from shardkit.targets_gpu import is_gpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
 MAXTEXT_PYTHON = os.environ.get("MAXTEXT_PYTHON", "/work/venv-maxtext/bin/python")
@@ -215,11 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--target",
         default="",
-        help="a TPU target (v5e-8): compile both sides for it, no timing "
-        "(experiments/bench/peers_tpu.py); --models and the timing flags are then ignored",
+        help="a TPU target (v5e-8) or a GPU one (h100-8): compile both sides for it, no timing "
+        "(experiments/bench/peers_tpu.py, peers_gpu.py); --models and the timing flags are then ignored",
     )
     parser.add_argument("--meshes", default="fsdp,tp,tp_sp", help="with --target: of fsdp, tp, tp_sp")
     parser.add_argument("--remat", default="full,best", help="with --target: of full, best")
+    parser.add_argument("--maxtext-attention", default="", help="with a GPU --target: MaxText once more with it")
     parser.add_argument("--model", default="", help="with --target: a scale cell's model, 7b or 70b (peers_scale.py)")
     parser.add_argument("--cells", default="", help="with --model: the cells compiled (default all of the model's)")
     args = parser.parse_args(argv)
@@ -240,6 +245,14 @@ def main(argv: list[str] | None = None) -> None:
         out = f"{RESULTS}/bench_peers_tpu_{args.model}.json" if default else args.out
         cells = args.cells.split(",") if args.cells else list(peers_scale.CELLS.get(args.model, ()))
         result = peers_scale.run(args.target, args.model, cells, args.maxtext_python, Path(args.logs), out)
+        save_json({"maxtext": version, **result}, out)
+        return
+    if args.target and is_gpu_name(args.target):
+        from experiments.bench import peers_gpu
+
+        out = args.out if args.out != parser.get_default("out") else f"{RESULTS}/bench_peers_gpu.json"
+        result = peers_gpu.run(args.target, args.meshes.split(","), args.remat.split(","), args.maxtext_python,
+                               Path(args.logs), args.maxtext_attention)  # fmt: skip
         save_json({"maxtext": version, **result}, out)
         return
     if args.target:

@@ -62,9 +62,11 @@ VARIANTS = {"default": {}, "fp32 head": {"logits_dot_in_fp32": True, "loss_chunk
 KERNEL_PREFIX = ("splash", "flash")  # attention kernels' custom-call names
 
 
-def program_figures(text: str, memory: dict[str, int], hbm: float, mesh: Any) -> dict[str, Any]:
+def program_figures(text: str, memory: dict[str, int], hbm: float | None, mesh: Any) -> dict[str, Any]:
     """One compiled program's figures (this module's docstring), from its text and analyses. Partition i of the
-    program runs on `mesh.devices.flat[i]` (as `jax.jit` assigns them)."""
+    program runs on `mesh.devices.flat[i]` (as `jax.jit` assigns them). `hbm`: None where the compiler has no cost
+    analysis (CUDA). The attention kernels are read as the mesh's platform calls them (Mosaic on TPU, Triton or
+    cuDNN custom calls on GPU: `hlo.kernel_calls`)."""
     from shardkit import hlo
 
     peak = (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"] - memory["alias_size_in_bytes"]
@@ -74,9 +76,10 @@ def program_figures(text: str, memory: dict[str, int], hbm: float, mesh: Any) ->
     for c in hlo.collectives(text, mesh):
         by_kind[f"{c.kind} {','.join(c.axes) or '-'}"] += c.bytes_sent
         where["in loops" if c.in_loop else "outside loops"] += c.bytes_sent
+    gpu = mesh.devices.flat[0].platform == "gpu"
     kernels = collections.Counter()
-    for name, n in hlo.kernel_calls(text):
-        if name.startswith(KERNEL_PREFIX):
+    for name, n in hlo.kernel_calls(text, "gpu") if gpu else hlo.kernel_calls(text):
+        if gpu or name.startswith(KERNEL_PREFIX):
             kernels[name] += n
     return dict(
         peak=peak,
@@ -91,9 +94,10 @@ def program_figures(text: str, memory: dict[str, int], hbm: float, mesh: Any) ->
 
 
 def shardkit_program(target: str, spec: str, strategy: str, remat: str, overrides: dict[str, Any] | None = None,
-                     embed: str | None = None) -> dict[str, Any]:  # fmt: skip
+                     embed: str | None = None, kernels: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """shardkit's train step of MODEL under `strategy` on mesh `spec` of `target`, compiled, and its figures.
-    `remat`: GPTConfig.remat; `overrides`: other GPTConfig fields; `embed`: the `embed` kernel (the strategy's)."""
+    `remat`: GPTConfig.remat; `overrides`: other GPTConfig fields; `embed`: the `embed` kernel (the strategy's);
+    `kernels`: other kernel slots (e.g. {"attention_block": "pallas_gpu"})."""
     import jax.numpy as jnp
     import optax
 
@@ -105,7 +109,8 @@ def shardkit_program(target: str, spec: str, strategy: str, remat: str, override
                     head_dim=m["head_dim"], mlp_dim=m["mlp_dim"], vocab_size=m["vocab"], max_seq_len=m["seq"],
                     dtype="bfloat16", param_dtype="float32", remat=remat, **(overrides or {}))  # fmt: skip
     mesh, s = sk.make_mesh(spec, target=target), sk.strategy(strategy)
-    s = s.replace(kernels={**s.kernels, "embed": embed}) if embed else s
+    more = {**(kernels or {}), **({"embed": embed} if embed else {})}
+    s = s.replace(kernels={**s.kernels, **more}) if more else s
     step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, s)
     shape = ((m["batch"], m["seq"]), jnp.int32)
     t0 = time.perf_counter()
@@ -113,11 +118,13 @@ def shardkit_program(target: str, spec: str, strategy: str, remat: str, override
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = cost[0] if isinstance(cost, list) else cost  # None from the CUDA compiler
     memory = {k: getattr(mem, k) for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                                            "temp_size_in_bytes")}  # fmt: skip
-    out = program_figures(compiled.as_text(), memory, float(cost.get("bytes accessed", 0.0)), mesh)
-    settings = dict(mesh=spec, strategy=strategy, embed=embed or "the strategy's", **dataclasses.asdict(cfg))
+    hbm = float(cost.get("bytes accessed", 0.0)) if cost else None
+    out = program_figures(compiled.as_text(), memory, hbm, mesh)
+    settings = dict(mesh=spec, strategy=strategy, embed=embed or "the strategy's", kernels=s.kernels,
+                    **dataclasses.asdict(cfg))  # fmt: skip
     return dict(out, params=cfg.num_params(), compile_s=compile_s, settings=settings)
 
 
@@ -126,17 +133,19 @@ def maxtext_program(python: str, target: str, mesh_name: str, remat: str, log: P
     return maxtext_compile(python, spec, log, f"{mesh_name} / {remat}")
 
 
-def maxtext_compile(python: str, spec: dict[str, Any], log: Path, what: str) -> dict[str, Any]:
+def maxtext_compile(python: str, spec: dict[str, Any], log: Path, what: str,
+                    env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """MaxText's train step compiled by peer_maxtext_tpu.py in its venv for `spec` (that file's argument), and its
-    figures read here; a program the compiler refused for memory comes back as {"refused": its message, ...}."""
+    figures read here; a program the compiler refused for memory comes back as {"refused": its message, ...}.
+    `env`: the child's environment (None: this process's)."""
     import jax
 
     import shardkit as sk
 
-    with tempfile.TemporaryDirectory(prefix="peer_maxtext_tpu_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="peer_maxtext_") as tmp:
         argv = [python, str(ROOT / "experiments/bench/peer_maxtext_tpu.py"), json.dumps(spec), tmp]
         with log.open("w") as f:
-            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=1800).returncode
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=1800, env=env).returncode
         if rc != 0:
             raise RuntimeError(f"MaxText's compile for {what} exited with {rc}; see {log}")
         rec = json.loads(Path(tmp, "maxtext.json").read_text())
@@ -177,7 +186,7 @@ def table(cells: dict[str, dict[str, Any]]) -> str:
         lines.append(f"{cell}:")
         sides = list(runs)
         lines.append(f"  {'':28s}" + "".join(f"{s:>18s}" for s in sides))
-        for key in RATIO_KEYS:
+        for key in (k for k in RATIO_KEYS if mt[k] is not None):  # HBM bytes: no cost analysis on GPU
             row = "".join(f"{FMT[key](runs[s][key]):>18s}" for s in sides)
             ratios = ", ".join(f"{s} {runs[s][key] / mt[key]:.2f}x" for s in sides if s != "maxtext" and mt[key])
             lines.append(f"  {key:28s}{row}   (vs MaxText: {ratios})")
@@ -197,17 +206,19 @@ def table(cells: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(cells: dict[str, dict[str, Any]]) -> str:
-    """The comparison as docs/performance.md shows it: a row per (cell, figure), shardkit's default / MaxText."""
-    rows = [
-        "| mesh, remat | figure | shardkit fp32 head | shardkit default | MaxText | default / MaxText |",
-        "|---|---|---|---|---|---|",
-    ]
+def markdown(cells: dict[str, dict[str, Any]], sides: tuple[str, ...] = ("shardkit fp32 head", "shardkit default"),
+             ratio: tuple[tuple[str, str], ...] = (("shardkit default", "maxtext"),)) -> str:  # fmt: skip
+    """The comparison as docs/performance.md shows it: a row per (cell, figure), each of `sides` and MaxText, and
+    each (a, b) of `ratio` as a / b."""
+    short = lambda side: side.removeprefix("shardkit ").replace("maxtext", "MaxText")
+    head = "| mesh, remat | figure | " + " | ".join([*sides, "MaxText"]) + " | "
+    rows = [head + " | ".join(f"{short(a)} / {short(b)}" for a, b in ratio) + " |",
+            "|---|---|" + "---|" * (len(sides) + 1 + len(ratio))]  # fmt: skip
     for cell, runs in cells.items():
-        for key in RATIO_KEYS:
-            old, d, mt = (runs[s][key] for s in ("shardkit fp32 head", "shardkit default", "maxtext"))
-            rows.append(f"| {cell.split(' (')[0]} | {key} | {FMT[key](old)} | {FMT[key](d)} | {FMT[key](mt)} | "
-                        f"**{d / mt:.2f}x** |")  # fmt: skip
+        for key in (k for k in RATIO_KEYS if runs["maxtext"][k] is not None):
+            figs = " | ".join(FMT[key](runs[s][key]) for s in (*sides, "maxtext"))
+            rows.append(f"| {cell.split(' (')[0]} | {key} | {figs} | "
+                        + " | ".join(f"**{runs[a][key] / runs[b][key]:.2f}x**" for a, b in ratio) + " |")  # fmt: skip
     return "\n".join(rows)
 
 
