@@ -13,6 +13,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
+from shardkit.costmodel import CommBuilder
+from shardkit.costmodel.torus import as_compiled, torus_chips
+from shardkit.hlo import collectives
 from shardkit.targets import wraparound
 
 
@@ -53,3 +56,20 @@ def test_fsdp_over_64_chips_gathers_weights_with_all_gathers():
     text = jax.jit(lambda w, x: x @ w.astype(jnp.bfloat16)).lower(w, x).compile().as_text()
     ops = re.findall(r"= \S+ (all-gather|all-reduce)(?:-start)?\(", text)
     assert ops and set(ops) == {"all-gather"}, ops
+
+
+@pytest.mark.parametrize("axes", ["fsdp=64", "data=4,fsdp=16"])
+def test_gradient_reduce_scatter_is_what_the_cost_model_predicts(axes):
+    """A weight's gradient scattered over fsdp: over all 64 chips of the v5p-128 torus XLA keeps the all-reduce (and
+    slices it), over 16 of them it fuses a reduce-scatter; the cost model's rule (shardkit/costmodel/torus.py), on
+    the row a cost model writes for that gradient, names the same collective."""
+    mesh = sk.make_mesh(axes, target="v5p-128")
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
+    x = jax.ShapeDtypeStruct((256 * 64, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(mesh.axis_names, None)))
+    grad = jax.grad(lambda w, x: jnp.sum((x @ w.astype(jnp.bfloat16)).astype(jnp.float32) ** 2))
+    compiled = jax.jit(grad, out_shardings=w.sharding).lower(w, x).compile()
+    got = {c.kind for c in collectives(compiled, mesh) if c.axes == ("fsdp",)} - {"all-gather"}
+    b = CommBuilder(dict(mesh.shape), ("fsdp", "data"), "tpu")
+    b.add("reduce-scatter", "fsdp", 1024 * 1024 * 2, 1, "gradient", gspmd=True)
+    predicted = {c.kind for c in as_compiled(b.comms(), torus_chips(mesh))}
+    assert got == predicted == ({"all-reduce"} if mesh.shape["fsdp"] == 64 else {"reduce-scatter"}), (got, predicted)
