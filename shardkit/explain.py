@@ -36,7 +36,7 @@ import numpy as np
 
 from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, roofline, targets
 from shardkit.costmodel.torus import as_compiled as torus_as_compiled
-from shardkit.costmodel.torus import torus_chips
+from shardkit.costmodel.torus import torus_slice
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
 from shardkit.rules import MESH_AXES, platform_family
 from shardkit.traits import Traits
@@ -62,11 +62,11 @@ Prediction = tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], s
 
 def predict(
     strategy: Any, cfg: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str,
-    torus: int = 0,
+    torus: tuple[int, ...] = (),
 ) -> Prediction | None:  # fmt: skip
     """(kind, axis) -> (count, bytes per device), memory per device, and the source, from the model's cost model
     (`costmodel.for_config(cfg)`); None when the model has none or it does not model this strategy. `torus`: the
-    chips of a v4 / v5p torus slice the mesh spans, whose whole-slice reduce-scatters compile as all-reduces
+    sides of the v4 / v5p torus slice the mesh spans, where some reduce-scatters compile as all-reduces
     (shardkit/costmodel/torus.py)."""
     model = costmodel.for_config(cfg)
     if model is None:
@@ -345,7 +345,7 @@ def explain(
                      + ", ".join(f"{k} x{n}" for k, n in sorted(fused.items()))
                      + "; their FLOPs are inside the kernels, not among the HLO's dots")  # fmt: skip
     own = getattr(step, "predict_costs", None)  # a step that knows its own collectives (SDP's holder averaging)
-    torus = torus_chips(mesh) if platform == "tpu" else 0
+    torus = torus_slice(mesh) if platform == "tpu" else ()
     pred = own(state, backend) if own else predict(step.strategy, cfg, sizes, shapes, nbytes, backend, torus)
     if pred is None:
         pred = predict_from_rules(step, state, backend)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 from shardkit.costmodel import CommBuilder
-from shardkit.costmodel.torus import as_compiled, torus_chips
+from shardkit.costmodel.torus import as_compiled, torus_slice
 from shardkit.hlo import collectives
 from shardkit.targets import wraparound
 
@@ -58,18 +58,26 @@ def test_fsdp_over_64_chips_gathers_weights_with_all_gathers():
     assert ops and set(ops) == {"all-gather"}, ops
 
 
-@pytest.mark.parametrize("axes", ["fsdp=64", "data=4,fsdp=16"])
-def test_gradient_reduce_scatter_is_what_the_cost_model_predicts(axes):
-    """A weight's gradient scattered over fsdp: over all 64 chips of the v5p-128 torus XLA keeps the all-reduce (and
-    slices it), over 16 of them it fuses a reduce-scatter; the cost model's rule (shardkit/costmodel/torus.py), on
-    the row a cost model writes for that gradient, names the same collective."""
+@pytest.mark.parametrize(
+    "axes, spec, compiled",
+    [
+        ("fsdp=64", P("fsdp", None), "all-reduce"),  # the whole slice: kept as an all-reduce
+        ("data=4,fsdp=16", P(None, "fsdp"), "reduce-scatter"),  # a 4x4 face: fused
+        ("data=2,fsdp=32", P(None, "fsdp"), "all-reduce"),  # 4x4x2, all three dimensions, along the last dim
+        ("data=2,fsdp=32", P("fsdp", None), "reduce-scatter"),  # the same group, along the first dim
+    ],
+)
+def test_gradient_reduce_scatter_is_what_the_cost_model_predicts(axes, spec, compiled):
+    """A weight's gradient scattered over fsdp on the v5p-128 torus, at the 7B's wo shape (4096 x 4096, bf16 dot,
+    4096 tokens a chip): the collective XLA emits is the one the cost model's rule (shardkit/costmodel/torus.py)
+    names for the row a cost model writes for that gradient."""
     mesh = sk.make_mesh(axes, target="v5p-128")
-    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
-    x = jax.ShapeDtypeStruct((256 * 64, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(mesh.axis_names, None)))
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32, sharding=NamedSharding(mesh, spec))
+    x = jax.ShapeDtypeStruct((4096 * 64, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P(mesh.axis_names, None)))
     grad = jax.grad(lambda w, x: jnp.sum((x @ w.astype(jnp.bfloat16)).astype(jnp.float32) ** 2))
-    compiled = jax.jit(grad, out_shardings=w.sharding).lower(w, x).compile()
-    got = {c.kind for c in collectives(compiled, mesh) if c.axes == ("fsdp",)} - {"all-gather"}
+    program = jax.jit(grad, out_shardings=w.sharding).lower(w, x).compile()
+    got = {c.kind for c in collectives(program, mesh) if c.axes == ("fsdp",)} - {"all-gather"}
     b = CommBuilder(dict(mesh.shape), ("fsdp", "data"), "tpu")
-    b.add("reduce-scatter", "fsdp", 1024 * 1024 * 2, 1, "gradient", gspmd=True)
-    predicted = {c.kind for c in as_compiled(b.comms(), torus_chips(mesh))}
-    assert got == predicted == ({"all-reduce"} if mesh.shape["fsdp"] == 64 else {"reduce-scatter"}), (got, predicted)
+    b.add("reduce-scatter", "fsdp", 4096 * 4096 * 2, 1, "gradient", gspmd=True, last_dim=spec[1] == "fsdp")
+    predicted = {c.kind for c in as_compiled(b.comms(), torus_slice(mesh))}
+    assert got == predicted == {compiled}, (got, predicted)

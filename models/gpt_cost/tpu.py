@@ -70,7 +70,10 @@ def zero3_comms(
               "matrix gradients: collective matmul's reduce-scatter ring, f + 1 fp32 shards (TPU)")  # fmt: skip
     else:
         b.add("all-gather", "fsdp", blocks * lo, 1, "block matrices (bf16) fwd")
-        b.add("reduce-scatter", "fsdp", (blocks + head) * nbytes, 1, "matrix gradients")
+        last = L * (c["num_heads"] * c["head_dim"] + c["mlp_dim"]) * e / t  # wo, w_down: embed is their last dim
+        b.add("reduce-scatter", "fsdp", (blocks - last + head) * nbytes, 1, "matrix gradients (embed their first dim)")
+        b.add("reduce-scatter", "fsdp", last * nbytes, 1, "wo, w_down gradients (embed their last dim)",
+              last_dim=True)  # fmt: skip
     if local_rows:  # the table's gradient stays in each device's columns: summed over the data replicas only
         b.add("all-reduce", "data", emb / f * nbytes, 1, "embedding gradient's own columns over data")
         b.add("all-reduce", "data,fsdp", norms * nbytes, 1, "norm-scale gradients")
