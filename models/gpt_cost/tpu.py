@@ -10,7 +10,8 @@ to bf16 where it is produced (`lo = min(nbytes, 2)` below); so:
   scales stay at `nbytes` (tests/test_hlo_tpu.py reads the gathered shards' sizes);
 - gradients that are not matmuls' (the embedding's scatter-add, the norm scales' reduce_sum) are all-reduced over
   (data, fsdp) at once, not reduce-scattered (without a data axis: the embedding's reduce-scattered over fsdp,
-  the scales all-reduced); the matrices' gradients are reduce-scattered in fp32 and all-reduced over data;
+  the scales all-reduced); the matrices' gradients are reduce-scattered in fp32 and all-reduced over data (wo's
+  and w_down's rows marked `last_dim`: a torus slice keeps some as all-reduces, shardkit/costmodel/torus.py);
 - the backward re-gathers the blocks' norm scales too (fwd and bwd, like their matrices); the final norm's once;
 - fsdp_tp (tensor > 1): XLA's collective matmul (windowed einsum, unrolled in the layer loop: its permutes'
   op_name is the dot_general they feed) replaces the forward gathers of the block matrices by f - 1 bf16 block

@@ -13,7 +13,8 @@ al. 2305.13525 §5 and their public performance-model script; tables in meshes/p
 Backend: `backend="gpu"` (or "tpu") models reduce-scatters as reduce-scatters. `backend="cpu"` models what
 XLA:CPU compiles: GSPMD's reduce-scatters (FSDP gradients, Megatron-SP's g) become a full all-reduce plus a
 dynamic-slice (tests/test_structure.py); explicit `lax.psum_scatter` in shard_map kernels (tensor3d) stays
-a reduce-scatter.
+a reduce-scatter. On a v4 / v5p torus slice the TPU compiler keeps some GSPMD reduce-scatters as all-reduces
+(shardkit/costmodel/torus.py `as_compiled`, which `sk.plan` and `sk.explain` apply to these rows).
 """
 
 from __future__ import annotations
