@@ -35,6 +35,8 @@ import jax
 import numpy as np
 
 from shardkit import costmodel, costmodel_rules, hlo, kernels, offload, roofline, targets
+from shardkit.costmodel.torus import as_compiled as torus_as_compiled
+from shardkit.costmodel.torus import torus_slice
 from shardkit.remat_figures import POLICIES, PolicyFigures, format_remat_table, remat_figures
 from shardkit.rules import MESH_AXES, platform_family
 from shardkit.traits import Traits
@@ -59,10 +61,13 @@ Prediction = tuple[dict[tuple[str, str], tuple[int, float]], dict[str, float], s
 
 
 def predict(
-    strategy: Any, cfg: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str
-) -> Prediction | None:
+    strategy: Any, cfg: Any, mesh: dict[str, int], batch_shapes: dict[str, tuple[int, ...]], nbytes: int, backend: str,
+    torus: tuple[int, ...] = (),
+) -> Prediction | None:  # fmt: skip
     """(kind, axis) -> (count, bytes per device), memory per device, and the source, from the model's cost model
-    (`costmodel.for_config(cfg)`); None when the model has none or it does not model this strategy."""
+    (`costmodel.for_config(cfg)`); None when the model has none or it does not model this strategy. `torus`: the
+    sides of the v4 / v5p torus slice the mesh spans, where some reduce-scatters compile as all-reduces
+    (shardkit/costmodel/torus.py)."""
     model = costmodel.for_config(cfg)
     if model is None:
         return None
@@ -71,7 +76,7 @@ def predict(
         return None
     comms, memory, source = out
     merged: dict[tuple[str, str], tuple[int, float]] = {}
-    for c in comms:
+    for c in torus_as_compiled(comms, torus):
         n, b = merged.get((c.kind, c.axis), (0, 0.0))
         merged[c.kind, c.axis] = (n + c.count, b + c.bytes)
     return merged, {k: v for k, v in memory.items() if k != "total"}, source
@@ -340,7 +345,8 @@ def explain(
                      + ", ".join(f"{k} x{n}" for k, n in sorted(fused.items()))
                      + "; their FLOPs are inside the kernels, not among the HLO's dots")  # fmt: skip
     own = getattr(step, "predict_costs", None)  # a step that knows its own collectives (SDP's holder averaging)
-    pred = own(state, backend) if own else predict(step.strategy, cfg, sizes, shapes, nbytes, backend)
+    torus = torus_slice(mesh) if platform == "tpu" else ()
+    pred = own(state, backend) if own else predict(step.strategy, cfg, sizes, shapes, nbytes, backend, torus)
     if pred is None:
         pred = predict_from_rules(step, state, backend)
         notes.append(f"no cost model of {type(getattr(step, 'source_model', None)).__name__}'s activations for "

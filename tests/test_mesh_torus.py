@@ -13,6 +13,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
+from shardkit.costmodel import CommBuilder
+from shardkit.costmodel.torus import as_compiled, torus_slice
+from shardkit.hlo import collectives
 from shardkit.targets import wraparound
 
 
@@ -53,3 +56,29 @@ def test_fsdp_over_64_chips_gathers_weights_with_all_gathers():
     text = jax.jit(lambda w, x: x @ w.astype(jnp.bfloat16)).lower(w, x).compile().as_text()
     ops = re.findall(r"= \S+ (all-gather|all-reduce)(?:-start)?\(", text)
     assert ops and set(ops) == {"all-gather"}, ops
+
+
+@pytest.mark.parametrize(
+    "axes, spec, compiled",
+    [
+        ("fsdp=64", P("fsdp", None), "all-reduce"),  # the whole slice: kept as an all-reduce
+        ("data=4,fsdp=16", P(None, "fsdp"), "reduce-scatter"),  # a 4x4 face: fused
+        ("data=2,fsdp=32", P(None, "fsdp"), "all-reduce"),  # 4x4x2, all three dimensions, along the last dim
+        ("data=2,fsdp=32", P("fsdp", None), "reduce-scatter"),  # the same group, along the first dim
+    ],
+)
+def test_gradient_reduce_scatter_is_what_the_cost_model_predicts(axes, spec, compiled):
+    """A weight's gradient scattered over fsdp on the v5p-128 torus, at the 7B's wo shape (4096 x 4096, bf16 dot,
+    4096 tokens a chip): the collective XLA emits is the one the cost model's rule (shardkit/costmodel/torus.py)
+    names for the row a cost model writes for that gradient."""
+    mesh = sk.make_mesh(axes, target="v5p-128")
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32, sharding=NamedSharding(mesh, spec))
+    x = jax.ShapeDtypeStruct((4096 * 64, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P(mesh.axis_names, None)))
+    grad = jax.grad(lambda w, x: jnp.sum((x @ w.astype(jnp.bfloat16)).astype(jnp.float32) ** 2))
+    program = jax.jit(grad, out_shardings=w.sharding).lower(w, x).compile()
+    reductions = ("all-reduce", "reduce-scatter")  # the gradient's (the forward moves w with gathers or permutes)
+    got = {c.kind for c in collectives(program, mesh) if c.axes == ("fsdp",) and c.kind in reductions}
+    b = CommBuilder(dict(mesh.shape), ("fsdp", "data"), "tpu")
+    b.add("reduce-scatter", "fsdp", 4096 * 4096 * 2, 1, "gradient", gspmd=True, last_dim=spec[1] == "fsdp")
+    predicted = {c.kind for c in as_compiled(b.comms(), torus_slice(mesh))}
+    assert got == predicted == {compiled}, (got, predicted)

@@ -10,7 +10,8 @@ to bf16 where it is produced (`lo = min(nbytes, 2)` below); so:
   scales stay at `nbytes` (tests/test_hlo_tpu.py reads the gathered shards' sizes);
 - gradients that are not matmuls' (the embedding's scatter-add, the norm scales' reduce_sum) are all-reduced over
   (data, fsdp) at once, not reduce-scattered (without a data axis: the embedding's reduce-scattered over fsdp,
-  the scales all-reduced); the matrices' gradients are reduce-scattered in fp32 and all-reduced over data;
+  the scales all-reduced); the matrices' gradients are reduce-scattered in fp32 and all-reduced over data (wo's
+  and w_down's rows marked `last_dim`: a torus slice keeps some as all-reduces, shardkit/costmodel/torus.py);
 - the backward re-gathers the blocks' norm scales too (fwd and bwd, like their matrices); the final norm's once;
 - fsdp_tp (tensor > 1): XLA's collective matmul (windowed einsum, unrolled in the layer loop: its permutes'
   op_name is the dot_general they feed) replaces the forward gathers of the block matrices by f - 1 bf16 block
@@ -70,7 +71,10 @@ def zero3_comms(
               "matrix gradients: collective matmul's reduce-scatter ring, f + 1 fp32 shards (TPU)")  # fmt: skip
     else:
         b.add("all-gather", "fsdp", blocks * lo, 1, "block matrices (bf16) fwd")
-        b.add("reduce-scatter", "fsdp", (blocks + head) * nbytes, 1, "matrix gradients")
+        last = L * (c["num_heads"] * c["head_dim"] + c["mlp_dim"]) * e / t  # wo, w_down: embed is their last dim
+        b.add("reduce-scatter", "fsdp", (blocks - last + head) * nbytes, 1, "matrix gradients (embed their first dim)")
+        b.add("reduce-scatter", "fsdp", last * nbytes, 1, "wo, w_down gradients (embed their last dim)",
+              last_dim=True)  # fmt: skip
     if local_rows:  # the table's gradient stays in each device's columns: summed over the data replicas only
         b.add("all-reduce", "data", emb / f * nbytes, 1, "embedding gradient's own columns over data")
         b.add("all-reduce", "data,fsdp", norms * nbytes, 1, "norm-scale gradients")

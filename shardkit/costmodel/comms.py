@@ -13,7 +13,8 @@ al. 2305.13525 §5 and their public performance-model script; tables in meshes/p
 Backend: `backend="gpu"` (or "tpu") models reduce-scatters as reduce-scatters. `backend="cpu"` models what
 XLA:CPU compiles: GSPMD's reduce-scatters (FSDP gradients, Megatron-SP's g) become a full all-reduce plus a
 dynamic-slice (tests/test_structure.py); explicit `lax.psum_scatter` in shard_map kernels (tensor3d) stays
-a reduce-scatter.
+a reduce-scatter. On a v4 / v5p torus slice the TPU compiler keeps some GSPMD reduce-scatters as all-reduces
+(shardkit/costmodel/torus.py `as_compiled`, which `sk.plan` and `sk.explain` apply to these rows).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class Comm:
     count: int
     bytes: float
     what: str = ""
+    #: (count, bytes) of this row's reduce-scatters that scatter their buffer's last dimension (a TPU torus may
+    #: compile those as all-reduces: shardkit/costmodel/torus.py)
+    last_dim: tuple[int, float] = (0, 0.0)
 
 
 def ring_factor(kind: str, p: int) -> float:
@@ -68,9 +72,13 @@ class CommBuilder:
     def __init__(self, mesh: dict[str, int], order: Sequence[str], backend: str):
         self.mesh, self.order, self.backend, self.rows = mesh, list(order), backend, []
 
-    def add(self, kind: str, axis: str, n: float, count: int = 1, what: str = "", gspmd: bool = False) -> None:
+    def add(
+        self, kind: str, axis: str, n: float, count: int = 1, what: str = "", gspmd: bool = False,
+        last_dim: bool = False,
+    ) -> None:  # fmt: skip
         """`axis` may name several axes, "data,depth": one collective over their product (size-1 ones dropped;
-        the row's axis lists the rest outermost first, as `shardkit.hlo` names them)."""
+        the row's axis lists the rest outermost first, as `shardkit.hlo` names them). `last_dim`: a reduce-scatter
+        of buffers scattered along their last dimension (`Comm.last_dim`)."""
         names = sorted((a for a in axis.split(",") if self.mesh.get(a, 1) > 1), key=self.order.index, reverse=True)
         p = math.prod(self.mesh[a] for a in names)
         if p <= 1 or n <= 0:
@@ -80,7 +88,9 @@ class CommBuilder:
         axis = ",".join(names)
         i = self.order.index(names[-1])  # the innermost of the group's axes
         inner = math.prod(self.mesh.get(a, 1) for a in self.order[:i])
-        self.rows.append(Comm(kind, axis, p, inner, count, ring_factor(kind, p) * n, what))
+        sent = ring_factor(kind, p) * n
+        last = (count, sent) if last_dim and kind == "reduce-scatter" else (0, 0.0)
+        self.rows.append(Comm(kind, axis, p, inner, count, sent, what, last))
 
     def comms(self) -> list[Comm]:
         """The rows added so far, merged per (kind, axis) (counts and bytes summed)."""
@@ -102,7 +112,8 @@ def tp3d_layer_comms(
         b.add("all-gather", "depth", 2 * block, 2, f"{what}: weight AG over depth, fwd and again bwd")
     else:  # a `tensor3d.linear` stack: the backward reuses the forward's gathered block (bytes counted once)
         b.add("all-gather", "depth", block, 2, f"{what}: weight AG over depth, fwd and bwd")
-    b.add("reduce-scatter", "depth", block, 1, f"{what}: dW RS over depth", gspmd=gspmd)
+    b.add("reduce-scatter", "depth", block, 1, f"{what}: dW RS over depth", gspmd=gspmd,
+          last_dim=transpose and gspmd)  # fmt: skip
     b.add("all-reduce", "data", block / gz, 1, f"{what}: dW shard AR over data")
 
 
@@ -111,7 +122,10 @@ def merge_comms(rows: Iterable[Comm]) -> list[Comm]:
     out: dict[tuple[str, str], Comm] = {}
     for r in rows:
         k = (r.kind, r.axis)
-        out[k] = dataclasses.replace(r, count=out[k].count + r.count, bytes=out[k].bytes + r.bytes) if k in out else r
+        if k in out:
+            last = (out[k].last_dim[0] + r.last_dim[0], out[k].last_dim[1] + r.last_dim[1])
+            r = dataclasses.replace(r, count=out[k].count + r.count, bytes=out[k].bytes + r.bytes, last_dim=last)
+        out[k] = r
     return list(out.values())
 
 

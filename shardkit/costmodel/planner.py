@@ -31,6 +31,7 @@ from typing import Any
 
 from shardkit.costmodel.comms import Comm, comm_time
 from shardkit.costmodel.protocol import for_config
+from shardkit.costmodel.torus import as_compiled, torus_slice
 from shardkit.errors import ShardkitError
 from shardkit.layers import REMAT_POLICIES  # the policies `plan` tries per (strategy, mesh) by default
 from shardkit.presets import HardwarePreset, load_preset
@@ -197,6 +198,7 @@ def plan(
         raise ShardkitError(f"plan: efficiency={efficiency} must be in (0, 1] (the fraction of peak recompute runs at)")
     hw = load_preset(hardware) if isinstance(hardware, str) else hardware
     backend = backend or hw.platform
+    torus = torus_slice(hw) if backend == "tpu" else ()  # a v4 / v5p torus: reduce-scatters it all-reduces
     error = model.memory_error(backend)
     recompute = model.models_remat
     policies: Sequence[str | None] = [None] if remat is None else (list(remat) if recompute else ["none"])
@@ -216,7 +218,7 @@ def plan(
             terms = model.predict(strat, mesh, shapes, nbytes, backend)
             if terms is None:
                 raise ShardkitError(f"plan: the model's cost model does not cover strategy {s!r}; leave it out")
-            comms, mem, _ = terms
+            comms, mem = as_compiled(terms[0], torus), terms[1]  # as the TPU compiler writes them (torus.py)
             flops = model.recompute_flops(strat, mesh, shapes) if recompute and policy not in (None, "none") else 0.0
             cap = memory_fraction * hw.hbm_bytes
             over = f"needs {mem['total'] / 2**30:.1f} GiB > {cap / 2**30:.1f} GiB usable"
