@@ -110,6 +110,9 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
     import shardkit as sk
 
     check_cuda(maxtext_python)
+    cudnn = sk.attention.blocks.cudnn_loadable()
+    why = "cuDNN's (cuDNN loads)" if cudnn else "XLA's (no cuDNN: pip install nvidia-cudnn-cu12 for a GPU host's)"
+    print(f"shardkit's default attention here: {why}", flush=True)
     logs.mkdir(parents=True, exist_ok=True)
     cells: dict[str, dict[str, Any]] = {}
     maxtext: dict[tuple, dict[str, Any]] = {}  # one MaxText compile per (its mesh, its remat, attention)
@@ -145,5 +148,6 @@ def run(target: str, meshes: list[str], remats: list[str], maxtext_python: str, 
     sides = tuple(s for s in next(iter(cells.values())) if s != "maxtext")
     print(markdown(cells, sides, ratio=tuple((a, b) for a, b in PAIRS if a in sides and b in (*sides, "maxtext"))))
     return {"target": target, "model": MODEL, "versions": {"shardkit": ours, "maxtext": theirs},
+            "cudnn_loadable": sk.attention.blocks.cudnn_loadable(),  # True: shardkit's default attention is cuDNN's
             "shardkit_variants": {v: {"overrides": o, "kernels": k} for v, (o, k) in VARIANTS.items()},
             "cells": cells}  # fmt: skip
