@@ -68,7 +68,7 @@ class GPTCostModel(CostModel):
             comms = moe.comms(cfg, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
             block = sk.attention.blocks.planned(strategy, mesh, seq, backend)
             memory = moe.memory(cfg, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend,
-                                fused_attention=block in ("splash", "flash"))  # fmt: skip
+                                fused_attention=block in ("splash", "flash"), attention=block)  # fmt: skip
             return comms, memory, f"models/gpt_cost/moe.py ({name}, backend {backend}, attention {block})"
         sdp = sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (sdp.py)
@@ -88,7 +88,7 @@ class GPTCostModel(CostModel):
         comms = list(cached_comms(family, cfg, tuple(mesh.items()), batch, seq, nbytes, backend, fused,
                                   embed == "local", self.remat_policy(strategy)))  # fmt: skip
         memory = dense_memory(family, cfg, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
-                              backend=backend, fused_attention=fused)  # fmt: skip
+                              backend=backend, fused_attention=fused, attention=block)  # fmt: skip
         return comms, memory, (f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention "
                                f"{block}, embedding {embed})")  # fmt: skip
 
