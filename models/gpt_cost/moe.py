@@ -92,6 +92,11 @@ def comms(
     head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)  # embedding and head: not in the blocks
     replicated = (cfg.num_params() - expert_params) * nbytes / f  # per device, after the gathered axes' split
     experts = expert_params * nbytes / (x * t * f)  # this device's experts' slice
+    if backend == "gpu":  # the experts', the table's and the norm scales' gradients at their own width (gpu.py)
+        pb = param_bytes(cfg)
+        tables = cfg.vocab_size * cfg.d_model + (2 * cfg.num_layers + 1) * cfg.d_model
+        replicated += tables * (pb - nbytes) / f
+        experts *= pb / nbytes
     gathered = ",".join(lay.gathered)
     if f > 1:
         local = replicated + experts  # this device's shard of every weight, gathered
