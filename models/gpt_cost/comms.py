@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from models.gpt_cost import gpu
 from models.gpt_cost.classify import MODELLED, STATE_DEGREE
 from models.gpt_cost.shapes import blocks_per_layer, fc_layers, num_params, shape
 from models.gpt_cost.tpu import cp_comms, param_bytes, pp_comms, tp3d_recompute_comms, zero3_comms
@@ -78,22 +79,27 @@ def strategy_comms(
         return cp_comms(c, psi, mesh, global_batch, seq_len, nbytes, backend, kv_bytes)
     if strategy.startswith("pp:") and backend == "tpu":  # GPipe over stage
         return pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes, backend)
+    tables = (c["vocab_size"] * e + (2 * L + 1) * e) * (param_bytes(cfg) - nbytes)  # at their width on GPU
+    if strategy == "cp" and backend == "gpu":  # the ring with the Pallas GPU block (gpu.py)
+        return gpu.cp_comms(c, mesh, global_batch, seq_len, nbytes, psi * nbytes + tables)
+    if strategy.startswith("pp:") and backend == "gpu":
+        return gpu.pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes)
     if strategy not in STATE_DEGREE:
         raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {', '.join(MODELLED)}")
     tpu_zero3 = backend in ("tpu", "gpu") and not getattr(cfg, "tie_embeddings", False)
-    gpu, pb = backend == "gpu", param_bytes(cfg)
-    wide = pb if gpu else nbytes  # GPU: the table and the norm scales (and their gradients) at their own width
+    on_gpu, pb = backend == "gpu", param_bytes(cfg)
+    wide = pb if on_gpu else nbytes  # GPU: the table and the norm scales (and their gradients) at their own width
     if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp") and tpu_zero3:
-        zero3_comms(b, c, blocks_per_layer(cfg), t, f, nbytes, windowed=t > 1 and not gpu,
+        zero3_comms(b, c, blocks_per_layer(cfg), t, f, nbytes, windowed=t > 1 and not on_gpu,
                     local_rows=act if local_embedding else 0.0, ids=global_batch // d * seq_len * 4,
-                    lo=nbytes if gpu else None, wide=wide)  # fmt: skip
+                    lo=nbytes if on_gpu else None, wide=wide)  # fmt: skip
     elif strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
         b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
         b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
         b.add("reduce-scatter", "fsdp", psi * nbytes / t, 1, "gradients", gspmd=True)
     if strategy in ("tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp"):
         n = 4 * L + 2
-        if strategy != "tp_sp" and gpu:  # the embedding lookup's partial rows at the table's width (GPU)
+        if strategy != "tp_sp" and on_gpu:  # the embedding lookup's partial rows at the table's width (GPU)
             b.add("all-reduce", "tensor", act * (n - 1), n - 1, "Megatron f / g")
             b.add("all-reduce", "tensor", act / nbytes * pb, 1, "embedding lookup at the table's width")
         elif strategy != "tp_sp":
@@ -108,7 +114,7 @@ def strategy_comms(
         mats = (L * blocks_per_layer(cfg) + c["vocab_size"] * e) / t
         b.add("all-reduce", "data", mats * nbytes / f, 1, "matrix gradients' shards over data (TPU)")
     else:  # GPU: the embedding table's (vocab-split over tensor) and norm scales' gradients at their own width
-        tables = (c["vocab_size"] * e / t + (2 * L + 1) * e) * (wide - nbytes) / f if gpu else 0.0
+        tables = (c["vocab_size"] * e / t + (2 * L + 1) * e) * (wide - nbytes) / f
         b.add("all-reduce", "data", shard + tables, 1, "gradients over data")
     return b.comms()
 

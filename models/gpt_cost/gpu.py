@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.gpt_cost.shapes import logit_tokens
+from shardkit.costmodel import Comm, CommBuilder
 
 
 def wide(nbytes: int) -> int:
@@ -91,4 +92,87 @@ def logit_bytes(cfg: Any, tokens: float, seq_len: int, vocab_split: int = 1) -> 
     return logit_tokens(cfg, tokens, seq_len, "gpu", vocab_split) * int(cfg.vocab_size) / vocab_split * 4 * 2
 
 
-__all__ = ["activations", "block_bytes", "logit_bytes", "scores", "wide"]
+def cp_comms(
+    c: dict[str, int], mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int, grads: float
+) -> list[Comm]:
+    """Context parallelism on GPU (the ring over `seq` with the Pallas GPU block, the batch over `data`), as the
+    program sends it (cp_zigzag on data=2, seq=4, 28 tuple permutes a step, 208 MiB in bf16, 320 in fp32, to the
+    byte): per layer, forward, N - 1 hops of the device's K and V blocks at the compute dtype; backward, N - 1
+    hops of K and V with the dK and dV accumulators (fp32) riding along, then one hop home of dK and dV at the
+    compute dtype; `grads` bytes of gradients all-reduced over (data, seq) at once (as dp's over data)."""
+    d, n, L = mesh.get("data", 1), mesh.get("seq", 1), c["num_layers"]
+    b = CommBuilder(mesh, ("seq", "data"), "gpu")
+    kv = 2 * global_batch / d * c["num_kv_heads"] * seq_len / n * c["head_dim"]  # one device's K and V blocks
+    hops = L * (n - 1)
+    b.add("collective-permute", "seq", hops * kv * nbytes, hops, "K, V around the ring fwd")
+    b.add("collective-permute", "seq", hops * kv * (nbytes + wide(nbytes)), hops, "K, V and fp32 dK, dV bwd")
+    b.add("collective-permute", "seq", L * kv * nbytes, L, "dK, dV home")
+    b.add("all-reduce", "data,seq", grads, 1, "gradients over (data, seq)")
+    return b.comms()
+
+
+def cp_activations(
+    c: dict[str, int], tokens: float, nbytes: int, local_blocks: float, param_bytes: int, logits: float
+) -> tuple[float, float]:  # fmt: skip
+    """(gradients, activations) at the cp program's peak (the ring with the Pallas GPU block, no remat; cp_zigzag
+    on data=2, seq=4, bf16, 2048 tokens a device: 468 MiB), in the backward layer loop's ring: the residual
+    stacks as `block_bytes` without the [s, s] terms (the kernel keeps q, k, v, its output and the log-sum-exp,
+    4 bytes a head; 304 MiB), the bf16 weight copy (32), the blocks' fp32 gradient stacks (64), and the ring
+    step's buffers: the hop in flight (K, V and fp32 dK, dV: 12), the step's dQ, dK, dV (fp32) and dQ's
+    accumulator (16), the MLP's [tokens, 2f] gradient (16) and the RMSNorm backward's two fp32 [tokens, e] (8).
+    The forward's peak is lower there (437 MiB): no [s, s] scores; the head's (`logits`) where larger."""
+    e, n, k, hd, f, L = (c[x] for x in ("d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_layers"))
+    w = wide(nbytes)
+    block = tokens * (4 * e * w + 2 * e * nbytes + 16 + ((n + 2 * k) * hd + n * hd) * nbytes + n * 4 + 6 * f * nbytes)
+    kept = L * block + (local_blocks * nbytes if nbytes < param_bytes else 0.0)
+    ring = tokens * k * hd * 2 * (nbytes + w) + tokens * (n + 2 * k) * hd * w + tokens * n * hd * w
+    grads = local_blocks * param_bytes
+    backward = grads + ring + tokens * (2 * f * nbytes + 2 * e * w)
+    return (grads, kept + backward - grads) if backward > logits else (0.0, kept + logits)
+
+
+def pp_comms(mesh: dict[str, int], m: int, global_batch: int, seq_len: int, e: int, nbytes: int) -> list[Comm]:
+    """GPipe over `stage` on GPU (pp on h100-4, stage=4, m = 4, bf16: 14 permutes, 56 MiB; 3 all-reduces, 72 MiB):
+    a microbatch's [B/m, S, e] one hop a tick forward and backward (2 (m + p - 1) at the compute dtype, as on TPU),
+    the last stage's output to every stage in fp32 (the final RMSNorm's upcast moves before the all-reduce) and
+    its gradient back at the compute dtype (+ the loss's scalar)."""
+    b, p = CommBuilder(mesh, ("stage",), "gpu"), mesh.get("stage", 1)
+    act = global_batch * seq_len * e  # the whole batch's [B, S, e] (the batch is not split)
+    n = 2 * (m + p - 1)
+    b.add("collective-permute", "stage", n * act / m * nbytes, n, "a microbatch's activations one hop a tick")
+    b.add("all-reduce", "stage", act * (wide(nbytes) + nbytes), 2, "the last stage's output (fp32), its gradient")
+    return b.comms()
+
+
+def pp_activations(
+    c: dict[str, int], blk: int, p: int, m: int, global_batch: int, seq_len: int, nbytes: int, param_bytes: int
+) -> tuple[float, float]:  # fmt: skip
+    """(gradients, activations) at the GPipe program's peak on GPU (pp on h100-4, 4 layers, one a stage, m = 4,
+    bf16: 2943.5 MiB, in the forward tick loop's body): the tick loop's stacks [m + p - 1, L/p, ...] of every
+    tick's residuals (`block_bytes` at B/m x S tokens, bubble ticks too), of the stage's block weights at the
+    compute dtype and of RoPE's sin / cos (2 x hd/2 fp32 a token), all per tick; the pipeline's input [B, S, e];
+    and the largest phase of `activations` at one microbatch's scores (forward: 13 bytes a score, 416 MiB)."""
+    e, L, hd = c["d_model"], c["num_layers"], c["head_dim"]
+    tokens, ticks, k = global_batch / m * seq_len, m + p - 1, L / p
+    block = block_bytes(c, tokens, seq_len, 1, 1, nbytes)
+    weights = blk * nbytes if nbytes < param_bytes else 0.0
+    stacks = ticks * k * (block + weights + tokens * hd * 4) + global_batch * seq_len * e * nbytes
+    logits = global_batch * seq_len * c["vocab_size"] * 4 * 2  # every stage runs the head and loss, whole batch
+    w, s = wide(nbytes), scores(c, tokens, seq_len, 1)
+    grads = k * blk * param_bytes
+    phases = {"forward": s * (1 + 3 * w), "backward": s * (1 + w + nbytes) + grads, "head": logits}
+    top = max(phases, key=phases.get)
+    return (grads, stacks + phases[top] - grads) if top == "backward" else (0.0, stacks + phases[top])
+
+
+__all__ = [
+    "activations",
+    "block_bytes",
+    "cp_activations",
+    "cp_comms",
+    "logit_bytes",
+    "pp_activations",
+    "pp_comms",
+    "scores",
+    "wide",
+]

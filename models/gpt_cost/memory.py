@@ -104,6 +104,17 @@ def memory(
         acts += logit_tokens(cfg, tokens, seq_len, backend) * c["vocab_size"] * 4 * 2
         acts += c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
         return state_bytes(psi, nbytes, acts)
+    if strategy == "cp" and backend == "gpu":  # the ring with the Pallas GPU block (gpu.py)
+        psi, tokens = num_params(cfg), global_batch / mesh.get("data", 1) * seq_len / mesh.get("seq", 1)
+        logits = gpu.logit_bytes(cfg, tokens, seq_len)
+        grads, acts = gpu.cp_activations(c, tokens, nbytes, c["num_layers"] * blocks_per_layer(cfg), param_bytes(cfg),
+                                         logits)  # fmt: skip
+        return {**state_bytes(psi, nbytes, acts), "grads": grads}
+    if strategy.startswith("pp:") and backend == "gpu":
+        p, blk = mesh.get("stage", 1), blocks_per_layer(cfg)
+        grads, acts = gpu.pp_activations(c, blk, p, int(strategy[3:]), global_batch, seq_len, nbytes, param_bytes(cfg))
+        stack = c["num_layers"] * (blk + 2 * c["d_model"])
+        return {**state_bytes(stack / p + num_params(cfg) - stack, nbytes, acts), "grads": grads}
     if strategy.startswith("pp:") and tpu:  # the stage's blocks, the embedding, head and final norm
         p, blk = mesh.get("stage", 1), blocks_per_layer(cfg)
         acts = pp_activations(c, blk, p, int(strategy[3:]), global_batch, seq_len, nbytes)
