@@ -35,6 +35,16 @@ What is live there, by the program's own buffers (bf16 compute unless said):
 The backward phase is predicted too (`activations`): the stacks, the mask (pred only), the blocks' fp32
 gradient stacks and the score gradient (fp32) with the layer's probabilities; where it is larger the peak is
 there and the gradients count. At the bench shape the forward phase is the larger.
+
+Collectives (comms.py, moe.py and `cp_comms` / `pp_comms` here; read per op from `compiled.as_text()`, bf16
+compute): the matrices' gradients travel at the compute dtype (the all-reduce before the convert back to fp32:
+`bf16[1048576]` over data under dp), but four things stay at the parameters' width (fp32): the embedding
+table's gradient (a scatter-add into the fp32 table) and the norm scales' (one `f32[528897]` all-reduce under
+dp), the experts' gradients (ep: `f32[3145728]` a layer over data), and the vocab-parallel embedding lookup's
+all-reduce (tp over tensor: `f32[8,1024,512]`; tp3d over row). fsdp / fsdp_tp are ZeRO-3 as on TPU
+(`tpu.zero3_comms` with `lo` = the compute dtype, `wide` = fp32: the matrices gathered at the compute dtype,
+the table and norm scales at fp32, their gradients all-reduced over (data, fsdp) at once), with no collective
+matmul (the GPU program gathers; it does not permute).
 """
 
 from __future__ import annotations
