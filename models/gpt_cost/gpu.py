@@ -78,7 +78,7 @@ def scores(c: dict[str, int], tokens: float, seq_len: int, hs: int) -> float:
 
 
 def activations(
-    cfg: Any, c: dict[str, int], block: float, tokens: float, seq_len: int, hs: int, nbytes: int,
+    c: dict[str, int], block: float, tokens: float, seq_len: int, hs: int, nbytes: int,
     local_blocks: float, param_bytes: int, logits: float,
 ) -> tuple[float, float]:  # fmt: skip
     """(gradients, activations) live at the GPU program's peak under no remat (module docstring): every block's

@@ -132,7 +132,7 @@ def memory(
         block = gpu.block_bytes(c, tokens, seq_len, embed_split, head_split, nbytes)
         local_blocks = c["num_layers"] * blocks_per_layer(cfg) / state_deg
         logits = gpu.logit_bytes(cfg, tokens, seq_len, head_split)
-        grads, acts = gpu.activations(cfg, c, block, tokens, seq_len, head_split, nbytes, local_blocks,
+        grads, acts = gpu.activations(c, block, tokens, seq_len, head_split, nbytes, local_blocks,
                                       param_bytes(cfg), logits)  # fmt: skip
         mem = {**state_bytes(psi, nbytes, acts, d if strategy == "zero1" else 1), "grads": grads}
         return {**mem, "total": sum(v for k, v in mem.items() if k != "total")}

@@ -161,7 +161,7 @@ def memory(
         masks *= (4 + (nbytes if nbytes < 4 else 0)) / 4  # 16-bit compute: the einsums' operand copies too
         block = gpu.block_bytes(shape(active), tokens, seq_len, 1, 1, nbytes) + dispatched + masks
         tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-        grads, acts = gpu.activations(cfg, shape(cfg), block, tokens, seq_len, 1, nbytes, psi - tables / f,
+        grads, acts = gpu.activations(shape(cfg), block, tokens, seq_len, 1, nbytes, psi - tables / f,
                                       param_bytes(cfg), gpu.logit_bytes(cfg, tokens, seq_len))  # fmt: skip
         mem = {"params": nbytes * psi, "grads": grads, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
         return {**mem, "total": sum(mem.values())}
