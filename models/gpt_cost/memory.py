@@ -21,7 +21,7 @@ from models.gpt_cost.tpu import (
     param_bytes,
     pp_activations,
     remat_extra,
-    working_set_in_hbm,  # fmt: skip
+    working_set_in_hbm,
 )
 from shardkit.costmodel import TP3D_ORDER
 from shardkit.errors import ShardkitError
