@@ -79,9 +79,9 @@ def strategy_comms(
         return cp_comms(c, psi, mesh, global_batch, seq_len, nbytes, backend, kv_bytes)
     if strategy.startswith("pp:") and backend == "tpu":  # GPipe over stage
         return pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes, backend)
-    tables = (c["vocab_size"] * e + (2 * L + 1) * e) * (param_bytes(cfg) - nbytes)  # at their width on GPU
-    if strategy == "cp" and backend == "gpu":  # the ring with the Pallas GPU block (gpu.py)
-        return gpu.cp_comms(c, mesh, global_batch, seq_len, nbytes, psi * nbytes + tables)
+    if strategy == "cp" and backend == "gpu":  # the ring with the Pallas GPU block (gpu.py); table, norms at fp32
+        wide_grads = (c["vocab_size"] * e + (2 * L + 1) * e) * (param_bytes(cfg) - nbytes)
+        return gpu.cp_comms(c, mesh, global_batch, seq_len, nbytes, psi * nbytes + wide_grads)
     if strategy.startswith("pp:") and backend == "gpu":
         return gpu.pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes)
     if strategy not in STATE_DEGREE:
