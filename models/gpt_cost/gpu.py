@@ -7,7 +7,7 @@ for h100-8 (GPT 4 x 512, 8 heads, mlp 2048, seq 1024, batch 16, bf16 and fp32 co
 bench_targets.py, docs/targets.md §8) with `XLA_FLAGS=--xla_dump_to=DIR`: the buffer assignment (every temporary
 is one value at an offset of the single `preallocated-temp` allocation) and the live-range file's instruction
 sequence, which together give the values live at each instruction. Their union at the busiest instruction is
-`memory_analysis()`'s `temp_size_in_bytes` to 0.2% (dp, fsdp, tp, fsdp_tp, tp3d; ep 1.8%: the rest is layout).
+`memory_analysis()`'s `temp_size_in_bytes` to 0.3% (dp, fsdp, tp, fsdp_tp, tp3d; ep 1.8%: the rest is layout).
 
 Where the peak is: in the forward layer loop's body, at the layer's softmax (the `exp` of the scores) or just
 after it, for every strategy measured. The backward loop's busiest instruction is 4% lower (dp 934 MiB against
