@@ -139,7 +139,7 @@ def memory(
     [E, G_l, C, d] bf16 x 2; the experts' SwiGLU 5 x f32 + 1 x bf16 of [E_l, G, C, f]).
     `backend="gpu"` with XLA's attention and no remat (models/gpt_cost/gpu.py): the dense part of each block
     as the GPU program keeps it (`gpu.block_bytes` at the experts' width), the dispatched tokens at the compute
-    dtype and the masks in fp32 and, with 16-bit compute, again as the einsums' operands (the forward loop's
+    dtype and the masks in fp32 and again at the compute dtype (fp32 compute: 4 fp32 stacks) (the forward loop's
     tuple for ep on data=2, expert=4, bf16: [L, G_l, S, E, C] f32 x 2 and bf16 x 2, [L, E_l, G, C, d] bf16 x 2,
     the experts' SwiGLU 6 x bf16 [L, E_l, G, C, f]), and the phases of `gpu.activations`."""
     remat = alias_policy(cfg) if remat is None else remat
@@ -158,7 +158,7 @@ def memory(
     if tpu:  # the dispatched tokens as the experts' bf16 operands; the masks in fp32 and as the einsums' bf16 operands
         dispatched, masks = dispatched * lo / nbytes, masks * (4 + lo) / 4
     if backend == "gpu" and remat == "none" and attention == "xla":  # models/gpt_cost/gpu.py
-        masks *= (4 + (nbytes if nbytes < 4 else 0)) / 4  # 16-bit compute: the einsums' operand copies too
+        masks *= (4 + nbytes) / 4  # fp32 and again at the compute dtype (fp32 compute too: 4 fp32 stacks)
         block = gpu.block_bytes(shape(active), tokens, seq_len, 1, 1, nbytes) + dispatched + masks
         tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
         grads, acts = gpu.activations(shape(cfg), block, tokens, seq_len, 1, nbytes, psi - tables / f,
