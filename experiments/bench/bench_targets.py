@@ -1,8 +1,8 @@
 """The cost model against XLA's TPU compiler: predicted vs compiled memory and collectives, per strategy, on a TPU
 target compiled from this machine (no TPU needed; libtpu from the dev extras).
 
-    python -m experiments.bench.bench_targets [--target v5e-8] [--strategies dp,fsdp,tp,...]
-        [--attention-block auto|xla|splash] [--out experiments/bench/results/bench_targets.json]
+    python -m experiments.bench.bench_targets [--target v5e-8] [--strategies dp,fsdp,tp,...] [--dtype bfloat16]
+        [--attention-block auto|xla|splash] [--mesh data=2,fsdp=8] [--out experiments/bench/results/bench_targets.json]
 
 For the GPT (models/gpt.py) under each strategy on the target's 8 chips, the train step (AdamW, fp32) is compiled by
 the TPU compiler and `sk.explain` reads back its collectives (kind and mesh axis, bytes sent per device: ring
@@ -55,12 +55,17 @@ def model_for(strategy: str, dtype: str = "float32") -> GPTConfig:
     return dataclasses.replace(cfg, num_experts=4, top_k=2) if strategy.startswith("ep") else cfg
 
 
-def measure(strategy: str, target: str, attention_block: str = "auto", dtype: str = "float32") -> dict[str, Any]:
-    """One strategy compiled for the target: the report's rows, compiled vs predicted (compute in `dtype`)."""
+def measure(
+    strategy: str, target: str, attention_block: str = "auto", dtype: str = "float32", spec: str | None = None
+) -> dict[str, Any]:  # fmt: skip
+    """One strategy compiled for the target: the report's rows, compiled vs predicted (compute in `dtype`), on
+    `spec` (default `MESHES[strategy]`: 8 devices; a larger target, e.g. h100-8x2's 16 GPUs, needs its own)."""
     cfg = model_for(strategy, dtype)
     gpu = sk.target(target).platform == "gpu"
-    target = f"{target.split('-')[0]}-4" if gpu and strategy in TARGETS else TARGETS.get(strategy, target)
-    mesh = sk.make_mesh(MESHES[strategy], target=target)
+    if spec is None:
+        target = f"{target.split('-')[0]}-4" if gpu and strategy in TARGETS else TARGETS.get(strategy, target)
+    spec = spec or MESHES[strategy]
+    mesh = sk.make_mesh(spec, target=target)
     named = sk.strategy(strategy)
     named = named.replace(kernels={**named.kernels, "attention_block": attention_block})
     step = sk.make_train_step(sk.abstract_model(lambda r: GPT(cfg, rngs=r)), optax.adamw(1e-3), mesh, named)
@@ -79,7 +84,7 @@ def measure(strategy: str, target: str, attention_block: str = "auto", dtype: st
     mem = {r["name"]: dict(compiled=r["compiled"], predicted=r["predicted"]) for r in report.memory_rows()}
     total = sum(r["compiled"] for r in rows)
     ptotal = sum(r["predicted"] or 0.0 for r in rows)
-    return dict(strategy=strategy, mesh=MESHES[strategy], target=target, dtype=cfg.dtype, compile_s=compile_s,
+    return dict(strategy=strategy, mesh=spec, target=target, dtype=cfg.dtype, compile_s=compile_s,
                 rows=rows, memory=mem, comm_compiled=total, comm_predicted=ptotal, source=report.prediction_source,
                 notes=report.notes)  # fmt: skip
 
@@ -98,11 +103,12 @@ def main() -> None:
         default="float32",
         help="the compute dtype (bfloat16: the head and loss as the target picks them; parameters stay float32)",
     )
+    ap.add_argument("--mesh", default=None, help="the mesh for every strategy (default: each one's 8-device mesh)")
     ap.add_argument("--out", default=f"{RESULTS}/bench_targets.json")
     args = ap.parse_args()
     results = []
     for s in [x for x in args.strategies.split(",") if x]:
-        r = measure(s, args.target, args.attention_block, args.dtype)
+        r = measure(s, args.target, args.attention_block, args.dtype, args.mesh)
         results.append(r)
         temp = r["memory"]["temporaries"]
         print(f"\n{s} on {r['mesh']} ({r['target']}, compiled in {r['compile_s']:.1f} s): temporaries compiled "

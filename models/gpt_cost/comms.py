@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from models.gpt_cost import gpu
 from models.gpt_cost.classify import MODELLED, STATE_DEGREE
 from models.gpt_cost.shapes import blocks_per_layer, fc_layers, num_params, shape
 from models.gpt_cost.tpu import cp_comms, param_bytes, pp_comms, tp3d_recompute_comms, zero3_comms
@@ -78,20 +79,30 @@ def strategy_comms(
         return cp_comms(c, psi, mesh, global_batch, seq_len, nbytes, backend, kv_bytes)
     if strategy.startswith("pp:") and backend == "tpu":  # GPipe over stage
         return pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes, backend)
+    if strategy == "cp" and backend == "gpu":  # the ring with the Pallas GPU block (gpu.py); table, norms at fp32
+        wide_grads = (c["vocab_size"] * e + (2 * L + 1) * e) * (param_bytes(cfg) - nbytes)
+        return gpu.cp_comms(c, mesh, global_batch, seq_len, nbytes, psi * nbytes + wide_grads)
+    if strategy.startswith("pp:") and backend == "gpu":
+        return gpu.pp_comms(mesh, int(strategy[3:]), global_batch, seq_len, e, nbytes)
     if strategy not in STATE_DEGREE:
         raise ShardkitError(f"the cost model has no formula for strategy {strategy!r}; it covers {', '.join(MODELLED)}")
-    tpu_zero3 = backend == "tpu" and not getattr(cfg, "tie_embeddings", False)
+    tpu_zero3 = backend in ("tpu", "gpu") and not getattr(cfg, "tie_embeddings", False)
+    on_gpu, pb = backend == "gpu", param_bytes(cfg)
+    wide = pb if on_gpu else nbytes  # GPU: the table and the norm scales (and their gradients) at their own width
     if strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp") and tpu_zero3:
-        zero3_comms(b, c, blocks_per_layer(cfg), t, f, nbytes, windowed=t > 1,
-                                 local_rows=act if local_embedding else 0.0,
-                                 ids=global_batch // d * seq_len * 4)  # fmt: skip
+        zero3_comms(b, c, blocks_per_layer(cfg), t, f, nbytes, windowed=t > 1 and not on_gpu,
+                    local_rows=act if local_embedding else 0.0, ids=global_batch // d * seq_len * 4,
+                    lo=nbytes if on_gpu else None, wide=wide)  # fmt: skip
     elif strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp"):  # ZeRO-3 over fsdp (of the 1/t Megatron slice)
         b.add("all-gather", "fsdp", psi * nbytes / t, 1, "parameters fwd")
         b.add("all-gather", "fsdp", blocks * nbytes / t, 1, "block parameters bwd")
         b.add("reduce-scatter", "fsdp", psi * nbytes / t, 1, "gradients", gspmd=True)
     if strategy in ("tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp"):
         n = 4 * L + 2
-        if strategy != "tp_sp":
+        if strategy != "tp_sp" and on_gpu:  # the embedding lookup's partial rows at the table's width (GPU)
+            b.add("all-reduce", "tensor", act * (n - 1), n - 1, "Megatron f / g")
+            b.add("all-reduce", "tensor", act / nbytes * pb, 1, "embedding lookup at the table's width")
+        elif strategy != "tp_sp":
             b.add("all-reduce", "tensor", act * n, n, "Megatron f / g")
         else:
             b.add("all-gather", "tensor", act * n, n, "SP all-gathers")
@@ -102,8 +113,9 @@ def strategy_comms(
     elif strategy in ("fsdp", "fsdp_tp", "dp_fsdp_tp") and tpu_zero3:  # the matrices' shards (the rest: above)
         mats = (L * blocks_per_layer(cfg) + c["vocab_size"] * e) / t
         b.add("all-reduce", "data", mats * nbytes / f, 1, "matrix gradients' shards over data (TPU)")
-    else:
-        b.add("all-reduce", "data", shard, 1, "gradients over data")
+    else:  # GPU: the embedding table's (vocab-split over tensor) and norm scales' gradients at their own width
+        tables = (c["vocab_size"] * e / t + (2 * L + 1) * e) * (wide - nbytes) / f
+        b.add("all-reduce", "data", shard + tables, 1, "gradients over data")
     return b.comms()
 
 
@@ -142,10 +154,11 @@ def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = Tr
     # the lookup is a masked local gather summed over the vocab shards, and the scatter-add gradient is reduced
     # over the batch axes.
     b.add("all-gather", "depth", vl * el * nb, 1, "embedding table AG over depth")
-    b.add("all-reduce", "row", r * el * nb, 1, "embedding lookup: AR_row of the masked gathers")
+    lookup = param_bytes(cfg) if backend == "gpu" else nb  # GPU: at the table's width (models/gpt_cost/gpu.py)
+    b.add("all-reduce", "row", r * el * lookup, 1, "embedding lookup: AR_row of the masked gathers")
     # TPU: the table is fp32 (the parameters') and its gradient too, whatever the compute dtype (gpt_70b, tp3d
     # data=4,depth=16,row=2 on a v5p-256: 1.45 GiB over (data, depth), twice the bf16 figure + the norm scales')
-    eb = param_bytes(cfg) if backend == "tpu" else nb
+    eb = param_bytes(cfg) if backend in ("tpu", "gpu") else nb  # GPU too (models/gpt_cost/gpu.py)
     b.add("all-reduce", bd, vl * el * eb, 1, "embedding grad (scatter-add) AR over (data, depth)")
 
     # Output head (embed -> (col, depth), vocab -> row), logits = x w: like a tensor3d linear with one weight

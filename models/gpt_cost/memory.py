@@ -11,10 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from models.gpt_cost import gpu
 from models.gpt_cost.classify import MODELLED, STATE_DEGREE
 from models.gpt_cost.remat import alias_policy, saved_bytes
 from models.gpt_cost.shapes import blocks_per_layer, logit_tokens, num_params, shape
-from models.gpt_cost.tpu import block_bytes, low_precision, pp_activations, remat_extra, working_set_in_hbm
+from models.gpt_cost.tpu import (
+    block_bytes,
+    low_precision,
+    param_bytes,
+    pp_activations,
+    remat_extra,
+    working_set_in_hbm,
+)
 from shardkit.costmodel import TP3D_ORDER
 from shardkit.errors import ShardkitError
 
@@ -57,7 +65,7 @@ def state_bytes(psi: float, nbytes: int, acts: float, optimizer_split: int = 1) 
 
 def memory(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    remat: str | None = None, backend: str = "cpu", fused_attention: bool = False,
+    remat: str | None = None, backend: str = "cpu", fused_attention: bool = False, attention: str = "xla",
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device: params, grads, optimizer (ZeRO formulas), activations (all layers + fp32 logits).
 
@@ -80,6 +88,9 @@ def memory(
     `fused_attention` (TPU: the attention block kernel is splash or flash, shardkit/attention/blocks.py): the block
     keeps the kernel's residuals (`attention="fused"`) and the backward's working set is the kernel's,
     on chip.
+    `backend="gpu"` with XLA's attention (`attention`, the block kernel `planned` names) and no remat: the
+    residuals, weights and phases as XLA's CUDA compiler's program keeps them (models/gpt_cost/gpu.py; the
+    gradients count only where the backward phase is the peak); other GPU cases keep the formulas above.
     """
     c = shape(cfg)
     d, f, t = (mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
@@ -93,6 +104,17 @@ def memory(
         acts += logit_tokens(cfg, tokens, seq_len, backend) * c["vocab_size"] * 4 * 2
         acts += c["num_layers"] * blocks_per_layer(cfg) * min(nbytes, 2)
         return state_bytes(psi, nbytes, acts)
+    if strategy == "cp" and backend == "gpu":  # the ring with the Pallas GPU block (gpu.py)
+        psi, tokens = num_params(cfg), global_batch / mesh.get("data", 1) * seq_len / mesh.get("seq", 1)
+        logits = gpu.logit_bytes(cfg, tokens, seq_len)
+        grads, acts = gpu.cp_activations(c, tokens, nbytes, c["num_layers"] * blocks_per_layer(cfg), param_bytes(cfg),
+                                         logits)  # fmt: skip
+        return {**state_bytes(psi, nbytes, acts), "grads": grads}
+    if strategy.startswith("pp:") and backend == "gpu":
+        p, blk = mesh.get("stage", 1), blocks_per_layer(cfg)
+        grads, acts = gpu.pp_activations(c, blk, p, int(strategy[3:]), global_batch, seq_len, nbytes, param_bytes(cfg))
+        stack = c["num_layers"] * (blk + 2 * c["d_model"])
+        return {**state_bytes(stack / p + num_params(cfg) - stack, nbytes, acts), "grads": grads}
     if strategy.startswith("pp:") and tpu:  # the stage's blocks, the embedding, head and final norm
         p, blk = mesh.get("stage", 1), blocks_per_layer(cfg)
         acts = pp_activations(c, blk, p, int(strategy[3:]), global_batch, seq_len, nbytes)
@@ -106,6 +128,14 @@ def memory(
     psi = num_params(cfg) / state_deg
     tokens = global_batch / batch_deg * seq_len
     remat = remat or alias_policy(cfg)
+    if backend == "gpu" and remat == "none" and attention == "xla":  # models/gpt_cost/gpu.py
+        block = gpu.block_bytes(c, tokens, seq_len, embed_split, head_split, nbytes)
+        local_blocks = c["num_layers"] * blocks_per_layer(cfg) / state_deg
+        logits = gpu.logit_bytes(cfg, tokens, seq_len, head_split)
+        grads, acts = gpu.activations(c, block, tokens, seq_len, head_split, nbytes, local_blocks,
+                                      param_bytes(cfg), logits)  # fmt: skip
+        mem = {**state_bytes(psi, nbytes, acts, d if strategy == "zero1" else 1), "grads": grads}
+        return {**mem, "total": sum(v for k, v in mem.items() if k != "total")}
     fused = tpu and fused_attention
     block = activation_bytes(cfg, tokens, seq_len, embed_split, head_split, nbytes, "tpu" if tpu else "cpu",
                              attention="fused" if fused else "scores")  # fmt: skip

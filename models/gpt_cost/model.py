@@ -6,8 +6,9 @@ Which formulas describe a strategy, read from its tables (classify.py), and thei
   experts split): moe.py;
 - subnetwork data parallelism (block-level, forward masking, cyclic ownership): sdp.py;
 - a strategy whose tables are one of the dense families (`formula`; on TPU also context and pipeline parallelism,
-  `tpu_formula`): comms.py and memory.py, the attention block kernel and the embedding kernel as the strategy's
-  kernels resolve them on this backend (shardkit/attention/blocks.py, shardkit/embedding.py);
+  `tpu_formula`; on GPU those too with the Pallas GPU ring block / XLA attention and no remat, gpu.py):
+  comms.py and memory.py, the attention block kernel and the embedding kernel as the strategy's kernels resolve
+  them on this backend (shardkit/attention/blocks.py, shardkit/embedding.py);
 - anything else: None (`sk.explain` then predicts the parameter traffic the rules tables imply).
 """
 
@@ -68,7 +69,7 @@ class GPTCostModel(CostModel):
             comms = moe.comms(cfg, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend)
             block = sk.attention.blocks.planned(strategy, mesh, seq, backend)
             memory = moe.memory(cfg, strategy, mesh, batch, seq, nbytes, remat=remat, backend=backend,
-                                fused_attention=block in ("splash", "flash"))  # fmt: skip
+                                fused_attention=block in ("splash", "flash"), attention=block)  # fmt: skip
             return comms, memory, f"models/gpt_cost/moe.py ({name}, backend {backend}, attention {block})"
         sdp = sdp_options(strategy)
         if sdp is not None:  # subnetwork data parallelism: block-level, forward masking, cyclic (sdp.py)
@@ -77,18 +78,21 @@ class GPTCostModel(CostModel):
                                       remat=self.remat_policy(strategy))  # fmt: skip
             return comms, memory, f"models/gpt_cost/sdp.py sdp_terms (coverage {sdp.coverage:g}, backend {backend})"
         family = formula(strategy)  # from the strategy's tables, not its name
-        if family is None and backend == "tpu":  # context / pipeline parallelism: TPU terms only (tpu.py)
-            family = tpu_formula(strategy, mesh)
-        if family is None:
-            return None
         batch, seq = next(iter(batch_shapes.values()))[:2]  # every GPT batch entry is [batch, seq]
         block = sk.attention.blocks.planned(strategy, mesh, seq, backend)  # splash on TPU: no [s, s] scores kept
+        if family is None and backend in ("tpu", "gpu"):  # context / pipeline parallelism: tpu.py, gpu.py
+            family = tpu_formula(strategy, mesh)
+            gpu_terms = {"cp": "pallas_gpu", "pp": "xla"}.get((family or "").partition(":")[0])
+            if backend == "gpu" and (block != gpu_terms or self.remat_policy(strategy) != "none"):
+                family = None  # on GPU: read from the programs with these blocks and no remat only (gpu.py)
+        if family is None:
+            return None
         fused = block in ("splash", "flash")
         embed = sk.embedding.planned(strategy, mesh, batch, backend)  # gather, or on TPU local / vocab
         comms = list(cached_comms(family, cfg, tuple(mesh.items()), batch, seq, nbytes, backend, fused,
                                   embed == "local", self.remat_policy(strategy)))  # fmt: skip
         memory = dense_memory(family, cfg, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
-                              backend=backend, fused_attention=fused)  # fmt: skip
+                              backend=backend, fused_attention=fused, attention=block)  # fmt: skip
         return comms, memory, (f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention "
                                f"{block}, embedding {embed})")  # fmt: skip
 

@@ -13,10 +13,11 @@ import dataclasses
 import math
 from typing import Any
 
+from models.gpt_cost import gpu
 from models.gpt_cost.memory import activation_bytes
 from models.gpt_cost.remat import alias_policy, moe_flops_per_token, saved_bytes
-from models.gpt_cost.shapes import logit_tokens
-from models.gpt_cost.tpu import working_set_in_hbm
+from models.gpt_cost.shapes import logit_tokens, shape
+from models.gpt_cost.tpu import param_bytes, working_set_in_hbm
 from shardkit.costmodel import Comm, CommBuilder
 from shardkit.layers import remat_names
 from shardkit.parallel.moe import capacity
@@ -91,6 +92,11 @@ def comms(
     head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)  # embedding and head: not in the blocks
     replicated = (cfg.num_params() - expert_params) * nbytes / f  # per device, after the gathered axes' split
     experts = expert_params * nbytes / (x * t * f)  # this device's experts' slice
+    if backend == "gpu":  # the experts', the table's and the norm scales' gradients at their own width (gpu.py)
+        pb = param_bytes(cfg)
+        tables = cfg.vocab_size * cfg.d_model + (2 * cfg.num_layers + 1) * cfg.d_model
+        replicated += tables * (pb - nbytes) / f
+        experts *= pb / nbytes
     gathered = ",".join(lay.gathered)
     if f > 1:
         local = replicated + experts  # this device's shard of every weight, gathered
@@ -114,7 +120,7 @@ def divisibility(cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: in
 
 def memory(
     cfg: Any, strategy: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
-    remat: str | None = None, backend: str = "cpu", fused_attention: bool = False,
+    remat: str | None = None, backend: str = "cpu", fused_attention: bool = False, attention: str = "xla",
 ) -> dict[str, float]:  # fmt: skip
     """Bytes per device under an ep-family strategy: the experts' weights over their axes (and each expert's mlp
     split), the rest replicated or over the gathered axes (ZeRO's 16 bytes per parameter in mixed precision).
@@ -130,7 +136,12 @@ def memory(
     weights, as `memory.memory`; the dispatched tokens at bf16 (the experts' operands) and the masks both in
     fp32 and as the einsums' bf16 operands
     (the forward loop's [L, ...] stacks for ep on data=2, expert=4: [G_l, S, E, C] f32 x 2 and bf16 x 2,
-    [E, G_l, C, d] bf16 x 2; the experts' SwiGLU 5 x f32 + 1 x bf16 of [E_l, G, C, f])."""
+    [E, G_l, C, d] bf16 x 2; the experts' SwiGLU 5 x f32 + 1 x bf16 of [E_l, G, C, f]).
+    `backend="gpu"` with XLA's attention and no remat (models/gpt_cost/gpu.py): the dense part of each block
+    as the GPU program keeps it (`gpu.block_bytes` at the experts' width), the dispatched tokens at the compute
+    dtype and the masks in fp32 and again at the compute dtype (fp32 compute: 4 fp32 stacks) (the forward loop's
+    tuple for ep on data=2, expert=4, bf16: [L, G_l, S, E, C] f32 x 2 and bf16 x 2, [L, E_l, G, C, d] bf16 x 2,
+    the experts' SwiGLU 6 x bf16 [L, E_l, G, C, f]), and the phases of `gpu.activations`."""
     remat = alias_policy(cfg) if remat is None else remat
 
     lay = Layout.of(strategy)
@@ -146,6 +157,14 @@ def memory(
     tpu, lo = backend == "tpu", min(nbytes, 2)
     if tpu:  # the dispatched tokens as the experts' bf16 operands; the masks in fp32 and as the einsums' bf16 operands
         dispatched, masks = dispatched * lo / nbytes, masks * (4 + lo) / 4
+    if backend == "gpu" and remat == "none" and attention == "xla":  # models/gpt_cost/gpu.py
+        masks *= (4 + nbytes) / 4  # fp32 and again at the compute dtype (fp32 compute too: 4 fp32 stacks)
+        block = gpu.block_bytes(shape(active), tokens, seq_len, 1, 1, nbytes) + dispatched + masks
+        tables = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+        grads, acts = gpu.activations(shape(cfg), block, tokens, seq_len, 1, nbytes, psi - tables / f,
+                                      param_bytes(cfg), gpu.logit_bytes(cfg, tokens, seq_len))  # fmt: skip
+        mem = {"params": nbytes * psi, "grads": grads, "optimizer": (16 - 2 * nbytes) * psi, "activations": acts}
+        return {**mem, "total": sum(mem.values())}
     fused = tpu and fused_attention  # splash's residuals, its working set on chip (memory.memory)
     dense = activation_bytes(active, tokens, seq_len, 1, 1, nbytes, "tpu" if tpu else "cpu",
                              attention="fused" if fused else "scores")  # fmt: skip

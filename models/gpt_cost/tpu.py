@@ -44,7 +44,7 @@ VMEM_BYTES = 128 * 2**20
 
 def zero3_comms(
     b: CommBuilder, c: dict[str, int], blk: int, t: int, f: int, nbytes: int, windowed: bool, local_rows: float = 0.0,
-    ids: float = 0.0,
+    ids: float = 0.0, lo: int | None = None, wide: int | None = None,
 ) -> None:  # fmt: skip
     """ZeRO-3 over fsdp as XLA:TPU compiles it (module docstring): matrices gathered in bf16, the embedding and norm
     scales at `nbytes`; non-matmul gradients all-reduced over (data, fsdp); with `windowed` (fsdp_tp) the block
@@ -53,17 +53,20 @@ def zero3_comms(
     `local_rows` > 0: the `local` embedding lookup (shardkit/embedding.py) instead of the table's gather: one
     all-to-all of a device's [batch, seq, embed] rows (`local_rows` bytes) forward and one backward, the token ids
     (`ids` bytes, the fsdp group's) all-gathered, and the table's gradient kept in each device's own columns
-    (all-reduced over data only, where the data replicas of a column slice are summed)."""
+    (all-reduced over data only, where the data replicas of a column slice are summed).
+    `lo` / `wide` (GPU, models/gpt_cost/gpu.py): the matrices' width as gathered (default: TPU's bf16 operand)
+    and the embedding table's and norm scales' with their gradients (default `nbytes`)."""
     e, L, v = c["d_model"], c["num_layers"], c["vocab_size"]
-    lo = min(nbytes, 2)  # a default-precision matmul's operand on TPU
+    lo = min(nbytes, 2) if lo is None else lo  # a default-precision matmul's operand on TPU
+    wide = nbytes if wide is None else wide
     blocks, head, emb, norms = L * blk / t, v * e / t, v * e / t, (2 * L + 1) * e
-    table = 0.0 if local_rows else emb * nbytes
-    b.add("all-gather", "fsdp", table + norms * nbytes + head * lo, 3 - bool(local_rows),
+    table = 0.0 if local_rows else emb * wide
+    b.add("all-gather", "fsdp", table + norms * wide + head * lo, 3 - bool(local_rows),
           "embedding, norm scales, head (bf16) fwd")  # fmt: skip
     if local_rows:
         b.add("all-to-all", "fsdp", 2 * local_rows, 2, "embedding rows to their tokens fwd, their gradients back bwd")
         b.add("all-gather", "fsdp", ids, 1, "the fsdp group's token ids (int32) for the local lookup")
-    b.add("all-gather", "fsdp", blocks * lo + 2 * L * e * nbytes, 1, "block matrices (bf16) and norm scales again bwd")
+    b.add("all-gather", "fsdp", blocks * lo + 2 * L * e * wide, 1, "block matrices (bf16) and norm scales again bwd")
     if windowed:
         b.add("collective-permute", "fsdp", blocks * lo * (f - 1) / f, L * 4 * (f - 1),
               "block matrices fwd: collective matmul's ring, f - 1 bf16 shards (TPU)")  # fmt: skip
@@ -76,13 +79,13 @@ def zero3_comms(
         b.add("reduce-scatter", "fsdp", last * nbytes, 1, "wo, w_down gradients (embed their last dim)",
               last_dim=True)  # fmt: skip
     if local_rows:  # the table's gradient stays in each device's columns: summed over the data replicas only
-        b.add("all-reduce", "data", emb / f * nbytes, 1, "embedding gradient's own columns over data")
-        b.add("all-reduce", "data,fsdp", norms * nbytes, 1, "norm-scale gradients")
+        b.add("all-reduce", "data", emb / f * wide, 1, "embedding gradient's own columns over data")
+        b.add("all-reduce", "data,fsdp", norms * wide, 1, "norm-scale gradients")
     elif b.mesh.get("data", 1) > 1:
-        b.add("all-reduce", "data,fsdp", (emb + norms) * nbytes, 1, "embedding and norm-scale gradients (TPU)")
+        b.add("all-reduce", "data,fsdp", (emb + norms) * wide, 1, "embedding and norm-scale gradients (TPU)")
     else:
-        b.add("reduce-scatter", "fsdp", emb * nbytes, 1, "embedding gradient")
-        b.add("all-reduce", "fsdp", norms * nbytes, 1, "norm-scale gradients")
+        b.add("reduce-scatter", "fsdp", emb * wide, 1, "embedding gradient")
+        b.add("all-reduce", "fsdp", norms * wide, 1, "norm-scale gradients")
 
 
 def cp_comms(
