@@ -122,33 +122,44 @@ def test_capacity_and_queueing_by_hand():
     np.testing.assert_allclose(float(sk.moe.route(peaked, 1, 4)["aux_loss"]), 4.0, rtol=1e-3)
 
 
+def _moe_run(strategy: str, mesh: jax.sharding.Mesh, compile_it: bool) -> tuple:
+    """3 SGD steps of the MoE GPT from seed 0: (losses, params, the compiled step or None, mesh, last metrics,
+    step, state)."""
+    batch = make_batch(16, 16, CFG.vocab_size)
+    model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy, seed=0)
+    step = sk.make_train_step(model, optax.sgd(0.3), mesh, strategy)
+    state, losses = step.init_state(), []
+    compiled = step.lower(state, batch).compile() if compile_it else None
+    for _ in range(3):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return losses, jax.tree.map(np.asarray, state.params), compiled, mesh, m, step, state
+
+
+@pytest.fixture(scope="module")
+def moe_one_device() -> tuple:
+    """The one-device dp reference, the same program for every strategy below: trained once per module."""
+    return _moe_run("dp", sk.make_mesh("data=1", jax.devices()[:1]), compile_it=False)
+
+
 @pytest.mark.parametrize("name,spec", [("ep", "data=2,expert=4"), ("ep_gspmd", "data=2,expert=4"),
                                        ("ep_tp", "expert=4,tensor=2"), ("ep_fsdp", "fsdp=2,expert=4")])  # fmt: skip
-def test_gpt_moe_training_equals_one_device(name, spec):
-    batch = make_batch(16, 16, CFG.vocab_size)
-    results = {}
-    for key, strategy, mesh in (("one", "dp", sk.make_mesh("data=1", jax.devices()[:1])),
-                                (name, name, sk.make_mesh(spec))):  # fmt: skip
-        model = sk.sharded_init(lambda rngs: GPT(CFG, rngs=rngs), mesh, strategy, seed=0)
-        step = sk.make_train_step(model, optax.sgd(0.3), mesh, strategy)
-        state, losses = step.init_state(), []
-        compiled = step.lower(state, batch).compile()
-        for _ in range(3):
-            state, m = step(state, batch)
-            losses.append(float(m["loss"]))
-        results[key] = losses, jax.tree.map(np.asarray, state.params), compiled, mesh, m
-        if key != "one":  # sk.explain: the collectives predicted by formula (models/gpt_cost/moe.py) vs compiled
-            report = sk.explain(step, state, batch)
-            n, b = report.predicted_comms["all-to-all", "expert"]
-            got = [c for c in report.collectives if c.kind == "all-to-all"]
-            assert sum(c.count for c in got) == n and sum(c.bytes_sent for c in got) == pytest.approx(b, rel=0.02)
-            # every kind's bytes (XLA groups some gradient reductions over other axes, so per kind, not per axis):
-            # the gradients' all-reduces, ep_tp's g / f, ep_fsdp's gathers; the scalars' and the router's small
-            # exchanges are not modelled (measured: 0.987-1.0 of the compiled bytes per kind)
-            for kind in {k for k, _ in report.predicted_comms}:
-                pred = sum(b for (k, _), (_, b) in report.predicted_comms.items() if k == kind)
-                compiled = sum(c.bytes_sent for c in report.collectives if c.kind == kind)
-                assert pred == pytest.approx(compiled, rel=0.03), (kind, pred, compiled)
+def test_gpt_moe_training_equals_one_device(moe_one_device, name, spec):
+    """Each strategy's 3 steps against the one-device run (shared by the cases: `moe_one_device`)."""
+    results = {"one": moe_one_device, name: _moe_run(name, sk.make_mesh(spec), compile_it=True)}
+    step, state = results[name][5], results[name][6]
+    # sk.explain: the collectives predicted by formula (models/gpt_cost/moe.py) vs compiled
+    report = sk.explain(step, state, make_batch(16, 16, CFG.vocab_size))
+    n, b = report.predicted_comms["all-to-all", "expert"]
+    got = [c for c in report.collectives if c.kind == "all-to-all"]
+    assert sum(c.count for c in got) == n and sum(c.bytes_sent for c in got) == pytest.approx(b, rel=0.02)
+    # every kind's bytes (XLA groups some gradient reductions over other axes, so per kind, not per axis):
+    # the gradients' all-reduces, ep_tp's g / f, ep_fsdp's gathers; the scalars' and the router's small
+    # exchanges are not modelled (measured: 0.987-1.0 of the compiled bytes per kind)
+    for kind in {k for k, _ in report.predicted_comms}:
+        pred = sum(b for (k, _), (_, b) in report.predicted_comms.items() if k == kind)
+        compiled = sum(c.bytes_sent for c in report.collectives if c.kind == kind)
+        assert pred == pytest.approx(compiled, rel=0.03), (kind, pred, compiled)
     np.testing.assert_allclose(results[name][0], results["one"][0], rtol=1e-5)
     for got, want in zip(jax.tree.leaves(results[name][1]), jax.tree.leaves(results["one"][1]), strict=True):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
