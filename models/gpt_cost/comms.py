@@ -40,7 +40,7 @@ from shardkit.errors import ShardkitError
 def strategy_comms(
     strategy: str, cfg: Any, mesh: dict[str, int], global_batch: int, seq_len: int, nbytes: int = 2,
     backend: str = "gpu", gspmd: bool = False, fused_attention: bool = False, local_embedding: bool = False,
-    remat: str = "none",
+    remat: str = "none", vocab_embedding: bool = False,
 ) -> list[Comm]:  # fmt: skip
     """Per-device bytes per step of each collective of one GPT train step (no gradient accumulation).
 
@@ -54,7 +54,8 @@ def strategy_comms(
     several axes ("data,depth": one collective over their product). `fused_attention`: the ring's blocks are a
     fused kernel's (splash), which K and V reach in their own dtype (the XLA scan's dots take them in bf16 on TPU).
     `remat`: the remat policy; on TPU, tp3d's recomputed forward issues its collectives again (tpu.py
-    `tp3d_recompute_comms`); elsewhere the collectives do not depend on it.
+    `tp3d_recompute_comms`); elsewhere the collectives do not depend on it. `local_embedding` /
+    `vocab_embedding`: the `embed` slot runs `local` / `vocab` (shardkit/embedding.py), not GSPMD's gather.
     """
     c = shape(cfg)
     e, L = c["d_model"], c["num_layers"]
@@ -99,7 +100,7 @@ def strategy_comms(
         b.add("reduce-scatter", "fsdp", psi * nbytes / t, 1, "gradients", gspmd=True)
     if strategy in ("tp", "tp_sp", "fsdp_tp", "dp_fsdp_tp"):
         n = 4 * L + 2
-        if strategy != "tp_sp" and on_gpu:  # the embedding lookup's partial rows at the table's width (GPU)
+        if strategy != "tp_sp" and on_gpu and not vocab_embedding:  # GSPMD's lookup: partial rows at the table's width
             b.add("all-reduce", "tensor", act * (n - 1), n - 1, "Megatron f / g")
             b.add("all-reduce", "tensor", act / nbytes * pb, 1, "embedding lookup at the table's width")
         elif strategy != "tp_sp":
@@ -123,12 +124,13 @@ def strategy_comms(
 def cached_comms(
     family: str, cfg: Any, mesh: tuple[tuple[str, int], ...], global_batch: int, seq_len: int, nbytes: int,
     backend: str, fused_attention: bool = False, local_embedding: bool = False, remat: str = "none",
+    vocab_embedding: bool = False,
 ) -> tuple[Comm, ...]:  # fmt: skip
     """`strategy_comms` memoised (the GSPMD step's for tp3d): `sk.plan` asks once per (plan, remat policy). The
     policy matters only where a recomputed forward issues collectives again (tp3d on TPU)."""
     remat = remat if family == "tp3d" and backend == "tpu" else "none"  # (one cache entry where it does not)
     return tuple(strategy_comms(family, cfg, dict(mesh), global_batch, seq_len, nbytes, backend, family == "tp3d",
-                                fused_attention, local_embedding, remat))  # fmt: skip
+                                fused_attention, local_embedding, remat, vocab_embedding))  # fmt: skip
 
 
 def gpt_extra_comms(b: Any, cfg: Any, tokens: int, nbytes: int, gspmd: bool = True, backend: str = "cpu") -> None:

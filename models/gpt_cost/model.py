@@ -88,9 +88,9 @@ class GPTCostModel(CostModel):
         if family is None:
             return None
         fused = block in ("splash", "flash")
-        embed = sk.embedding.planned(strategy, mesh, batch, backend)  # gather, or on TPU local / vocab
+        embed = sk.embedding.planned(strategy, mesh, batch, backend)  # gather, or on TPU / GPU local / vocab
         comms = list(cached_comms(family, cfg, tuple(mesh.items()), batch, seq, nbytes, backend, fused,
-                                  embed == "local", self.remat_policy(strategy)))  # fmt: skip
+                                  embed == "local", self.remat_policy(strategy), embed == "vocab"))  # fmt: skip
         memory = dense_memory(family, cfg, mesh, batch, seq, nbytes, remat=self.remat_policy(strategy),
                               backend=backend, fused_attention=fused, attention=block)  # fmt: skip
         return comms, memory, (f"shardkit.costmodel ({family} formula of the GPT, backend {backend}, attention "
