@@ -21,7 +21,11 @@ under extras (`cuda12`, `tpu`, ...): a plain `pip install maxtext` installs the 
 extra is the CPU-capable set (JAX, Flax, Optax, Orbax; its libtpu stays idle without a TPU):
 
     python3.12 -m venv /work/venv-maxtext        # outside the repository, apart from shardkit's venv
-    /work/venv-maxtext/bin/pip install "maxtext[tpu]==0.2.5"
+    /work/venv-maxtext/bin/pip install "maxtext[tpu]==0.2.5" jax==0.12.0.1 jaxlib==0.12.0.1 libtpu==0.0.50.1 \
+        jax-cuda12-plugin==0.12.0.1 jax-cuda12-pjrt==0.12.0.1 nvidia-cuda-nvcc-cu12
+
+(pinned: unpinned, pip brings jax 0.12.1 / libtpu 0.0.52, whose Mosaic refuses MaxText's splash kernel; the CUDA 12
+set is XLA's CUDA compiler for `--target h100-8`, the same as shardkit's on jax 0.12.0.1.)
 
 Without it this benchmark says so, records "missing" in its JSON and exits cleanly.
 
@@ -69,7 +73,8 @@ INSTALL = (
     "MaxText is not installed for this benchmark. It needs Python >= 3.12 and lists its requirements only under "
     "extras; install it apart from shardkit's venv:\n"
     "    python3.12 -m venv /work/venv-maxtext\n"
-    '    /work/venv-maxtext/bin/pip install "maxtext[tpu]==0.2.5"\n'
+    '    /work/venv-maxtext/bin/pip install "maxtext[tpu]==0.2.5" jax==0.12.0.1 jaxlib==0.12.0.1 libtpu==0.0.50.1 '
+    "jax-cuda12-plugin==0.12.0.1 jax-cuda12-pjrt==0.12.0.1 nvidia-cuda-nvcc-cu12\n"
     "then rerun (or point --maxtext-python / MAXTEXT_PYTHON at that venv's python)."
 )
 PREFIX = "@@peer "

@@ -20,12 +20,9 @@ count dots only: a kernel's attention FLOPs are not in them (the XLA attention's
 compiles MaxText once more per cell with that attention (e.g. `dot_product`, its XLA attention, beside shardkit's
 default). Nothing is timed; gemm tiles are XLA's fallback ones (no autotuning without a GPU).
 
-MaxText's venv needs XLA's CUDA compiler beside its TPU set (no GPU needed; jax 0.12.1's plugin is CUDA 13 only):
-
-    /work/venv-maxtext/bin/pip install "jax[cuda13-local]==0.12.1" "nvidia-cuda-nvcc>=13.0.48"
-
-That is another compiler than shardkit's (jax 0.12.0.1's CUDA 12 plugin): docs/performance.md ("The GPU program
-against MaxText's") builds a venv of MaxText's packages with shardkit's compiler, for `--maxtext-python`.
+MaxText's venv needs XLA's CUDA compiler beside its TPU set (no GPU needed). bench_peers.py's pinned install gives
+it jax 0.12.0.1's CUDA 12 plugin and ptxas, the same compiler as shardkit's on jax 0.12.0.1 (docs/performance.md,
+"The GPU program against MaxText's", also keeps the two-venv recipe the first tables were made with).
 """
 
 from __future__ import annotations
@@ -81,9 +78,11 @@ def check_cuda(python: str) -> None:
     got = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
     if got.returncode or got.stdout.strip():
         missing = got.stdout.strip() or got.stderr.strip()[-300:]
+        v = _version(python)  # jax up to 0.12.0.1 has a CUDA 12 plugin (shardkit's compiler), 0.12.1 only CUDA 13
+        cuda = (f'"jax[cuda12-local]=={v}" nvidia-cuda-nvcc-cu12' if v.startswith(("0.10.", "0.11.", "0.12.0"))
+                else f'"jax[cuda13-local]=={v}" "nvidia-cuda-nvcc>=13.0.48"')  # fmt: skip
         raise ShardkitError(f"MaxText's venv ({python}) cannot compile for a GPU ({missing} missing): {python} -m pip "
-                            f'install "jax[cuda13-local]=={_version(python)}" "nvidia-cuda-nvcc>=13.0.48" (no GPU '
-                            "needed; jax 0.12.1 has only a CUDA 13 plugin)")  # fmt: skip
+                            f"install {cuda} (no GPU needed)")  # fmt: skip
 
 
 def _version(python: str) -> str:
