@@ -36,6 +36,7 @@ def torus_slice(where: Any) -> tuple[int, ...]:
     """The sides of one slice when it is a v4 / v5p torus (every side >= 4 chips), else (). `where`: an
     `sk.target`, a HardwarePreset named for one (`Target.preset()`, what `sk.plan` gets), or a mesh of TPU devices."""
     from shardkit import targets
+    from shardkit.errors import ShardkitError
 
     if hasattr(where, "axis_names") and getattr(where, "devices", None) is not None:  # a jax Mesh: its own devices
         return _mesh_slice(where)
@@ -44,7 +45,7 @@ def torus_slice(where: Any) -> tuple[int, ...]:
         return ()
     try:
         t = targets.target(name)
-    except Exception:  # a preset that names no target (meshes/*.toml): its slice is not known
+    except ShardkitError:  # a preset that names no target (meshes/*.toml): its slice is not known
         return ()
     if getattr(t, "generation", "") not in TORUS_GENERATIONS or targets.wraparound(t.topology) != (True,) * 3:
         return ()
